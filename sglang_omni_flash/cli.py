@@ -1,0 +1,53 @@
+"""`whisper-flash` command line: one sub-command per concern, each registered by its module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path -> each module exposes `register(subparsers)`; a sub-command's handler is
+# stored as `func` and returns a process exit code.
+_COMMAND_MODULES = (
+    "sglang_omni_flash.models.cli",
+    "sglang_omni_flash.corpus.cli",
+    "sglang_omni_flash.serving.cli",
+)
+
+
+class UserError(Exception):
+    """A mistake of the caller (bad path, unknown model, ...): printed as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="whisper-flash",
+        description="Whisper-Flash speculative decoding for Whisper (standalone and SGLang-Omni).",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # a module not written yet must not break the others
+            if exc.name and exc.name.startswith("sglang_omni_flash"):
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"whisper-flash {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
