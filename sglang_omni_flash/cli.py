@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from sglang_omni_flash.errors import UserError
+
 # module path -> each module exposes `register(subparsers)`; a sub-command's handler is
 # stored as `func` and returns a process exit code.
 _COMMAND_MODULES = (
@@ -13,10 +15,6 @@ _COMMAND_MODULES = (
     "sglang_omni_flash.corpus.cli",
     "sglang_omni_flash.serving.cli",
 )
-
-
-class UserError(Exception):
-    """A mistake of the caller (bad path, unknown model, ...): printed as one line, no traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
