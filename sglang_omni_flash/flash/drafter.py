@@ -1,0 +1,417 @@
+"""The Whisper-Flash drafter: a two-block parallel drafter that reads the audio and the history.
+
+Reads side by side with the paper (Sec. 3.2, Appendix A.2), generalised to any Whisper size:
+
+* anchor    the latest emitted token y_t at text position t; the target has not processed it yet.
+* mask      a learned vector m; the block is X_t = [Emb(y_t), m, ..., m] (K + 1 rows, positions t..t+K)
+            and mask row j predicts y_{t+j}.
+* history   the target's residual stream after a few decoder blocks (before the final layer norm) at
+            the accepted positions 0..t-1, concatenated and projected to the drafter width.
+* acoustic  the encoder output A = E(x), read by the drafter's OWN cross-attention projections.
+* block     every drafter layer: pre-LN self-attention where the block's queries attend to
+            [history ; block] in one softmax (history only before the anchor, bidirectional inside
+            the block), pre-LN cross-attention to the acoustic memory, pre-LN feed-forward.
+
+RoPE (base 10,000, rotate-half layout, FP32 phases, explicit text positions) is applied to the block's
+queries and keys and to the history keys, so history keys computed once keep their meaning across
+rounds: an engine caches `history_kv` by position and `acoustic_kv` once per request. The token
+embedding and output head are shared with the frozen target by reference; they are not parameters of
+this module, not in its state_dict and never saved (`bind_target` re-attaches them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+if TYPE_CHECKING:
+    from transformers import WhisperForConditionalGeneration
+
+KV = tuple[Tensor, Tensor]  # (k, v), each [B, H, N, hd]
+
+
+def default_history_layers(n_target_layers: int) -> tuple[int, ...]:
+    """Zero-based target decoder blocks whose residual output (before the final LN) is the history.
+
+    Rule: up to five blocks, evenly spaced, starting at block 1 and ending before the last block:
+    ``step = max(1, (n - 2) // 4)`` and the blocks ``1, 1 + step, ...`` that are ``<= n - 2``, at most
+    five of them. Block 0 is skipped (the drafter starts as a copy of blocks 0-1, so it adds little)
+    and the last block is skipped (Hugging Face reports it only after the final layer norm). A decoder
+    shallower than 3 blocks uses block 0 only.
+
+    ====== ============================= =========================
+    layers blocks                        Whisper models
+    ====== ============================= =========================
+    4      (1, 2)                        tiny, tiny.en, large-v3-turbo
+    6      (1, 2, 3, 4)                  base, base.en
+    12     (1, 3, 5, 7, 9)               small, small.en
+    24     (1, 6, 11, 16, 21)            medium, medium.en
+    32     (1, 8, 15, 22, 29)            large-v1/v2/v3 (the paper's choice)
+    ====== ============================= =========================
+    """
+    if n_target_layers < 1:
+        raise ValueError(f"a decoder needs at least one block, got {n_target_layers}")
+    if n_target_layers < 3:
+        return (0,)
+    step = max(1, (n_target_layers - 2) // 4)
+    return tuple(range(1, n_target_layers - 1, step))[:5]
+
+
+def history_from_hidden_states(hidden_states: tuple[Tensor, ...], history_layers: tuple[int, ...]) -> Tensor:
+    """Stack the history blocks' outputs from a Hugging Face decoder's ``output_hidden_states``.
+
+    In transformers 5.x ``hidden_states[0]`` is the embedding input and ``hidden_states[i + 1]`` the
+    residual output of block ``i`` -- except for the LAST block, whose entry is after the final layer
+    norm, so it is refused here. Returns [B, N, n_hist, d] (feed it to `project_history`).
+    """
+    n_blocks = len(hidden_states) - 1
+    if any(not 0 <= i <= n_blocks - 2 for i in history_layers):
+        raise ValueError(
+            f"history blocks {history_layers} need pre-LN outputs of blocks 0..{n_blocks - 2}; "
+            "the last block is only reported after the final layer norm"
+        )
+    return torch.stack([hidden_states[i + 1] for i in history_layers], dim=-2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """Everything that fixes the drafter's shape and its target; saved as checkpoint config.json."""
+
+    architecture: str = "WhisperFlashDrafter"
+    d_model: int  # drafter width == target decoder width
+    n_heads: int  # attention heads (the target decoder's)
+    ffn_dim: int  # feed-forward width (the target decoder's)
+    vocab_size: int  # target vocabulary (shared embedding / head)
+    n_target_layers: int  # target decoder depth
+    history_layers: tuple[int, ...]  # zero-based target blocks whose residual output (before final LN) is history
+    block_size: int = 8  # K mask positions proposed per round
+    n_layers: int = 2  # drafter blocks, initialised from the target's first n_layers blocks
+    rope_base: float = 10000.0
+    max_positions: int = 448  # target's max text positions (information; RoPE itself is unbounded)
+    use_audio: bool = True  # ablation switches (paper Table 3): cross-attention to the encoder output
+    use_history: bool = True  # ... and attention to the target's history
+    embedding_fingerprint: str = ""  # identity of the shared target embedding (checkpoint.embedding_fingerprint)
+    activation: str = "gelu"  # FFN activation (Whisper's)
+    layer_norm_eps: float = 1e-5
+    embed_scale: float = 1.0  # sqrt(d_model) if the target scales its embeddings, else 1 (Whisper: 1)
+    target_name_or_path: str = ""  # information only
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "history_layers", tuple(int(i) for i in self.history_layers))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("RoPE needs an even head dimension")
+        if self.block_size < 1 or self.n_layers < 1:
+            raise ValueError("block_size and n_layers must be positive")
+        if self.use_history and not self.history_layers:
+            raise ValueError("use_history needs at least one history layer")
+        if any(not 0 <= i < self.n_target_layers for i in self.history_layers):
+            raise ValueError(f"history layers {self.history_layers} outside 0..{self.n_target_layers - 1}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["history_layers"] = list(self.history_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """Build from a config.json dict; keys that are not fields (dtype, format_version) are skipped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ----------------------------------------------------------------------------------------- RoPE
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """positions [B, N] (integer text positions) -> cos, sin [B, 1, N, hd] in FP32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, N, hd/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, N, hd]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, N, hd] rotated by its positions' phases; the math runs in FP32, the result in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------- layers
+
+
+class Attention(nn.Module):
+    """Whisper's attention projections (k_proj has no bias); the attention itself is in `DrafterLayer`."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def heads(self, x: Tensor) -> Tensor:
+        """[B, N, d] -> [B, H, N, hd]"""
+        b, n, d = x.shape
+        return x.view(b, n, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+    def kv(self, x: Tensor) -> KV:
+        """memory [B, N, d] -> (k, v) [B, H, N, hd] (no positions)"""
+        return self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+
+    def merge(self, o: Tensor) -> Tensor:
+        """[B, H, N, hd] -> out_proj([B, N, d])"""
+        b, h, n, hd = o.shape
+        return self.out_proj(o.transpose(1, 2).reshape(b, n, h * hd))
+
+
+class DrafterLayer(nn.Module):
+    """One drafter block; parameter names follow `WhisperDecoderLayer` (encoder_attn -> acoustic_attn)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d, eps = config.d_model, config.layer_norm_eps
+        self.self_attn_layer_norm = nn.LayerNorm(d, eps=eps)
+        self.self_attn = Attention(d, config.n_heads)
+        if config.use_audio:
+            self.acoustic_attn_layer_norm = nn.LayerNorm(d, eps=eps)
+            self.acoustic_attn = Attention(d, config.n_heads)
+        self.final_layer_norm = nn.LayerNorm(d, eps=eps)
+        self.fc1 = nn.Linear(d, config.ffn_dim)
+        self.fc2 = nn.Linear(config.ffn_dim, d)
+        self.activation_fn = ACT2FN[config.activation]
+
+    def forward(
+        self,
+        block: Tensor,  # [B, K+1, d]
+        rope: tuple[Tensor, Tensor],  # block cos/sin [B, 1, K+1, hd]
+        history: KV | None,  # k/v [B or 1, H, Lmax, hd], RoPE already on k
+        attn_mask: Tensor | None,  # [B, 1, 1, Lmax + K+1] True = attend (same for every block row)
+        acoustic: KV | None,  # k/v [B or 1, H, T, hd]
+    ) -> Tensor:
+        bsz = block.shape[0]
+
+        # self-attention over [history ; block] in one softmax
+        h = self.self_attn_layer_norm(block)
+        q = apply_rope(self.self_attn.heads(self.self_attn.q_proj(h)), *rope)  # [B, H, K+1, hd]
+        k, v = self.self_attn.kv(h)
+        k = apply_rope(k, *rope)
+        if history is not None:
+            hk, hv = history
+            k = torch.cat((hk.expand(bsz, -1, -1, -1), k), dim=2)  # [B, H, Lmax + K+1, hd]
+            v = torch.cat((hv.expand(bsz, -1, -1, -1), v), dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # scale hd^-0.5, as Whisper
+        block = block + self.self_attn.merge(o)
+
+        # cross-attention to the acoustic memory with the drafter's own k/v
+        if acoustic is not None:
+            h = self.acoustic_attn_layer_norm(block)
+            q = self.acoustic_attn.heads(self.acoustic_attn.q_proj(h))
+            ak, av = acoustic
+            shape = (bsz, -1, -1, -1)
+            o = F.scaled_dot_product_attention(q, ak.expand(shape), av.expand(shape))
+            block = block + self.acoustic_attn.merge(o)
+
+        # feed-forward
+        h = self.final_layer_norm(block)
+        return block + self.fc2(self.activation_fn(self.fc1(h)))
+
+
+@dataclass
+class _SharedTarget:
+    """The frozen target modules the drafter uses by reference (a plain holder: not registered)."""
+
+    embed_tokens: nn.Embedding
+    output_head: nn.Linear
+
+
+class WhisperFlashDrafter(nn.Module):
+    """Proposes K tokens in one forward pass from the anchor, the history and the acoustic memory."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.mask = nn.Parameter(torch.zeros(d))  # m, learned
+        if config.use_history:
+            self.history_proj = nn.Linear(len(config.history_layers) * d, d)
+            self.history_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)  # final LN, before the shared head
+        self._shared: _SharedTarget | None = None
+
+    # ------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_target(
+        cls,
+        target: "WhisperForConditionalGeneration",
+        *,
+        block_size: int = 8,
+        history_layers: tuple[int, ...] | None = None,
+        use_audio: bool = True,
+        use_history: bool = True,
+        n_layers: int = 2,
+    ) -> "WhisperFlashDrafter":
+        """A fresh drafter initialised from the target's first `n_layers` decoder blocks.
+
+        Copied: self-attn q/k/v/o, cross-attn q/k/v/o (-> acoustic_attn), the three layer norms, the
+        FFN, and the decoder's final layer norm. Fresh: the mask vector m (normal, scaled like the
+        token embedding) and the history projection (+ its norm). Shared: embedding and output head.
+        """
+        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
+
+        tc = target.config
+        if history_layers is None:
+            history_layers = default_history_layers(tc.decoder_layers)
+        if tc.decoder_layers < n_layers:
+            raise ValueError(f"target has {tc.decoder_layers} decoder blocks; the drafter copies {n_layers}")
+        config = DrafterConfig(
+            d_model=tc.d_model,
+            n_heads=tc.decoder_attention_heads,
+            ffn_dim=tc.decoder_ffn_dim,
+            vocab_size=tc.vocab_size,
+            n_target_layers=tc.decoder_layers,
+            history_layers=tuple(history_layers),
+            block_size=block_size,
+            n_layers=n_layers,
+            max_positions=tc.max_target_positions,
+            use_audio=use_audio,
+            use_history=use_history,
+            embedding_fingerprint=embedding_fingerprint(target),
+            activation=tc.activation_function,
+            embed_scale=math.sqrt(tc.d_model) if tc.scale_embedding else 1.0,
+            target_name_or_path=str(getattr(tc, "_name_or_path", "") or ""),
+        )
+        decoder = target.model.decoder
+        drafter = cls(config)
+        with torch.no_grad():
+            emb = decoder.embed_tokens.weight
+            drafter.mask.copy_(torch.randn(config.d_model) * emb.float().std().cpu())
+            for layer, source in zip(drafter.layers, decoder.layers):
+                _copy_block(layer, source, use_audio)
+            drafter.norm.load_state_dict(decoder.layer_norm.state_dict())
+        drafter.to(device=emb.device, dtype=emb.dtype)
+        drafter.bind_target(target)
+        return drafter
+
+    def bind_target(self, target: "WhisperForConditionalGeneration") -> None:
+        """(Re)attach the target's frozen token embedding and output head (used by reference)."""
+        embed, head = target.model.decoder.embed_tokens, target.get_output_embeddings()
+        if embed.weight.shape != (self.config.vocab_size, self.config.d_model):
+            raise ValueError(f"target embedding {tuple(embed.weight.shape)} does not fit this drafter")
+        self._shared = _SharedTarget(embed_tokens=embed, output_head=head)
+
+    # ---------------------------------------------------------------------------- memories
+
+    def project_history(self, states: Tensor) -> Tensor:
+        """states [..., n_hist, d] (stacked history-block outputs) -> history [..., d]: concat, Linear, LN."""
+        x = states.to(self.history_proj.weight.dtype).flatten(-2)  # [..., n_hist * d]
+        return self.history_norm(self.history_proj(x))
+
+    def history_kv(self, history: Tensor, positions: Tensor) -> list[KV]:
+        """history [B, N, d] (projected), positions [B, N] -> per layer (k, v) [B, H, N, hd], RoPE on k.
+
+        Depends only on the history, never on the block: an engine appends these by position.
+        """
+        history = history.to(self.mask.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base)
+        out = []
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(history)
+            out.append((apply_rope(k, cos, sin), v))
+        return out
+
+    def acoustic_kv(self, encoder_out: Tensor) -> list[KV]:
+        """encoder_out [B, T, d] -> per layer (k, v) [B, H, T, hd]; once per request. [] without audio."""
+        if not self.config.use_audio:
+            return []
+        encoder_out = encoder_out.to(self.mask.dtype)
+        return [layer.acoustic_attn.kv(encoder_out) for layer in self.layers]
+
+    # ----------------------------------------------------------------------------- drafting
+
+    def forward(
+        self,
+        anchor: Tensor,  # [B] latest emitted token, not yet processed by the target
+        anchor_pos: Tensor,  # [B] its text position t
+        history_kv: list[KV] | None,  # per layer k/v [B or 1, H, Lmax, hd]; entries >= history_len ignored
+        history_len: Tensor | None,  # [B] valid history entries (== t: positions 0..t-1)
+        acoustic_kv: list[KV] | None,  # per layer k/v [B or 1, H, T, hd]
+    ) -> Tensor:
+        """-> logits [B, K, vocab] for the K mask positions (the anchor row's output is dropped)."""
+        cfg, shared = self.config, self._require_target()
+        bsz, K = anchor.shape[0], cfg.block_size
+        dtype = self.mask.dtype
+
+        # block X_t = [Emb(anchor), m, ..., m] at positions t..t+K
+        anchor_emb = F.embedding(anchor, shared.embed_tokens.weight.detach()).to(dtype) * cfg.embed_scale
+        block = torch.cat((anchor_emb[:, None], self.mask.expand(bsz, K, -1)), dim=1)  # [B, K+1, d]
+        block_pos = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)  # [B, K+1]
+        rope = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_base)
+
+        # attention mask over [history ; block]: history entries < history_len, the whole block
+        attn_mask = None
+        if cfg.use_history:
+            if history_kv is None or history_len is None:
+                raise ValueError("this drafter uses history: pass history_kv and history_len")
+            l_max = history_kv[0][0].shape[2]
+            seen = torch.arange(l_max, device=anchor.device) < history_len[:, None]  # [B, Lmax]
+            in_block = torch.ones(bsz, K + 1, dtype=torch.bool, device=anchor.device)
+            attn_mask = torch.cat((seen, in_block), dim=1)[:, None, None, :]  # [B, 1, 1, Lmax + K+1]
+        if cfg.use_audio and acoustic_kv is None:
+            raise ValueError("this drafter reads the audio: pass acoustic_kv")
+
+        for i, layer in enumerate(self.layers):
+            block = layer(
+                block,
+                rope,
+                history_kv[i] if cfg.use_history else None,
+                attn_mask,
+                acoustic_kv[i] if cfg.use_audio else None,
+            )
+
+        h = self.norm(block[:, 1:])  # [B, K, d], anchor row dropped
+        head = shared.output_head
+        bias = None if head.bias is None else head.bias.detach()
+        return F.linear(h.to(head.weight.dtype), head.weight.detach(), bias)
+
+    def _require_target(self) -> _SharedTarget:
+        if self._shared is None:
+            raise RuntimeError("drafter has no target embedding/head: call bind_target(target) first")
+        return self._shared
+
+    def num_parameters(self) -> int:
+        """Drafter-owned parameters (the shared embedding and head are not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _copy_block(layer: DrafterLayer, source: nn.Module, use_audio: bool) -> None:
+    """Copy a `WhisperDecoderLayer` into a drafter layer (cross-attention -> acoustic_attn)."""
+    pairs = [
+        ("self_attn", "self_attn"),
+        ("self_attn_layer_norm", "self_attn_layer_norm"),
+        ("fc1", "fc1"),
+        ("fc2", "fc2"),
+        ("final_layer_norm", "final_layer_norm"),
+    ]
+    if use_audio:
+        pairs += [("acoustic_attn", "encoder_attn"), ("acoustic_attn_layer_norm", "encoder_attn_layer_norm")]
+    for mine, theirs in pairs:
+        own = getattr(layer, mine)
+        src = {k: v.detach().float().cpu() for k, v in getattr(source, theirs).state_dict().items()}
+        own.load_state_dict(src, strict=True)
