@@ -1,0 +1,183 @@
+"""Start, watch and stop `sgl-omni serve` for a Whisper model.
+
+The same code serves `make serve`, the end-to-end tests and the benchmarks, so the CPU
+workarounds are applied in exactly one place. On a machine with CUDA nothing is changed:
+the command is sglang-omni's own `sgl-omni serve --model-path ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.paths import build_dir
+from sglang_omni_flash.serving import cpu
+
+_CPU_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu.yaml"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything `whisper-flash serve` / `make serve` decide about one server."""
+
+    model: str = "base"  # embedded name (base, tiny.en) or a transformers Whisper directory
+    host: str = "127.0.0.1"  # loopback by default: expose deliberately, not by accident
+    port: int = 8000
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CPU workarounds only without CUDA
+    extra_args: tuple[str, ...] = ()  # passed through to `sgl-omni serve` untouched
+    log_file: Path | None = None  # server output goes here (else: inherited stdout/stderr)
+    cpu_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
+    startup_timeout_s: float = 600.0
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    on_cpu: bool
+    model_dir: Path
+    config_file: Path | None = field(default=None)
+
+
+def cpu_config_template() -> dict:
+    with open(_CPU_CONFIG, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def render_cpu_config(model_dir: Path, *, cpu_threads: int | None = None) -> Path:
+    """configs/cpu.yaml with the model path filled in, written under the build cache."""
+    config = cpu_config_template()
+    config["model_path"] = str(model_dir)
+    if cpu_threads is not None:
+        config["stages"]["asr"].setdefault("factory", {})["cpu_intra_op_threads"] = cpu_threads
+    out_dir = build_dir() / "serve-configs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"cpu-{abs(hash((str(model_dir), cpu_threads))) % 10**10}.yaml"
+    path = out_dir / name
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def sgl_omni_executable() -> str:
+    candidate = Path(sys.executable).with_name("sgl-omni")
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("sgl-omni")
+    if found is None:
+        raise UserError("sgl-omni is not installed in this environment; run `make serve` (it installs it)")
+    return found
+
+
+def plan_launch(options: ServeOptions) -> LaunchPlan:
+    from sglang_omni_flash.models.embedded import resolve_model
+
+    model_dir = resolve_model(options.model)
+    on_cpu = options.device == "cpu" or (options.device == "auto" and not cpu.cuda_available())
+    argv = [sgl_omni_executable(), "serve"]
+    config_file = None
+    if on_cpu:
+        config_file = render_cpu_config(model_dir, cpu_threads=options.cpu_threads)
+        argv += ["--config", str(config_file)]
+        env = cpu.cpu_environment(threads=options.cpu_threads)
+    else:
+        argv += ["--model-path", str(model_dir)]
+        env = dict(os.environ)
+    argv += ["--host", options.host, "--port", str(options.port), *options.extra_args]
+    return LaunchPlan(argv=argv, env=env, on_cpu=on_cpu, model_dir=model_dir, config_file=config_file)
+
+
+class Server:
+    """One `sgl-omni serve` process group: start, wait until healthy, stop by PID."""
+
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        self.plan = plan_launch(options)
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}"
+
+    def start(self) -> "Server":
+        out = None
+        if self.options.log_file is not None:
+            self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.options.log_file, "ab")
+            out = self._log
+        # A session of its own, so stop() can end the stage workers sgl-omni spawns too.
+        self.process = subprocess.Popen(
+            self.plan.argv, env=self.plan.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self) -> float:
+        """Block until /health answers 200; returns seconds waited. Raises if the server died."""
+        assert self.process is not None
+        started = time.monotonic()
+        deadline = started + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"sgl-omni serve exited with code {code} before becoming healthy"
+                                   + (f" (log: {self.options.log_file})" if self.options.log_file else ""))
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"sgl-omni serve not healthy after {self.options.startup_timeout_s:.0f} s")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGINT the whole process group, then SIGTERM, then SIGKILL; never leaves workers behind."""
+        process = self.process
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+                # the leader is gone; make sure no stage worker of its group lingers
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "Server":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

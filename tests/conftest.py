@@ -1,0 +1,46 @@
+"""Shared fixtures: the embedded models and the test audio, built once into the user cache."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from sglang_omni_flash.paths import audio_dir
+
+
+@pytest.fixture(scope="session")
+def base_model_dir() -> Path:
+    from sglang_omni_flash.models.embedded import resolve_model
+
+    return resolve_model("base")
+
+
+@pytest.fixture(scope="session")
+def tiny_en_model_dir() -> Path:
+    from sglang_omni_flash.models.embedded import resolve_model
+
+    return resolve_model("tiny.en")
+
+
+@pytest.fixture(scope="session")
+def test_set_paths():
+    """Manifests of the default test set: synthetic voices + real LibriVox lines."""
+    from sglang_omni_flash.corpus.synth import build_test_set
+
+    return build_test_set(audio_dir(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def test_clips(test_set_paths):
+    """Every clip of the test set (synthetic and real), as manifest Utterances."""
+    from sglang_omni_flash.corpus.manifest import read_manifest
+
+    return read_manifest(test_set_paths.combined)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

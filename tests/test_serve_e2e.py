@@ -1,0 +1,167 @@
+"""End to end: the real `sgl-omni serve` on CPU with the converted base model.
+
+Real WAV files go to /v1/audio/transcriptions in every response format we promise, and
+the text must equal transformers `generate()` on the same audio (fp32, greedy, English).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import requests
+import soundfile as sf
+
+from sglang_omni_flash.serving.launch import Server, ServeOptions
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.server
+
+N_CLIPS = 8  # half synthetic voices, half real LibriVox lines
+
+
+@pytest.fixture(scope="module")
+def clips(test_clips):
+    synthetic = [c for c in test_clips if not c.voice.startswith("librivox")]
+    real = [c for c in test_clips if c.voice.startswith("librivox")]
+    # spread over voices: every other synthetic clip, longest real lines
+    picked = synthetic[:: max(1, len(synthetic) // (N_CLIPS // 2))][: N_CLIPS // 2]
+    picked += sorted(real, key=lambda c: -c.duration)[: N_CLIPS // 2]
+    return picked
+
+
+@pytest.fixture(scope="module")
+def reference_texts(base_model_dir, clips):
+    """transformers generate() transcripts: the text the server must return."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(base_model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(
+        base_model_dir, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    texts = {}
+    with torch.inference_mode():
+        for clip in clips:
+            audio, sr = sf.read(clip.audio, dtype="float32")
+            assert sr == 16000
+            features = processor(audio, sampling_rate=16000, return_tensors="pt").input_features
+            ids = model.generate(features, language="en", task="transcribe", max_new_tokens=440)
+            texts[clip.id] = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(base_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "sgl-omni.log"
+    options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log)
+    srv = Server(options)
+    srv.start()
+    try:
+        srv.wait_ready()
+    except Exception:
+        srv.stop()
+        print(log.read_text(errors="replace")[-5000:])
+        raise
+    yield srv
+    srv.stop()
+    assert srv.process is None
+
+
+def transcribe(server, clip, **form):
+    with open(clip.audio, "rb") as fh:
+        return requests.post(
+            f"{server.url}/v1/audio/transcriptions",
+            data={"model": "whisper", **form},
+            files={"file": (clip.audio.name, fh, "audio/wav")},
+            timeout=300,
+        )
+
+
+def test_json_text_equals_transformers_generate(server, clips, reference_texts):
+    for clip in clips:
+        resp = transcribe(server, clip, response_format="json")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text"].strip() == reference_texts[clip.id], clip.id
+
+
+def test_text_format_returns_the_plain_transcript(server, clips, reference_texts):
+    clip = clips[0]
+    resp = transcribe(server, clip, response_format="text")
+    assert resp.status_code == 200, resp.text
+    assert resp.text.strip() == reference_texts[clip.id]
+
+
+def test_verbose_json_has_text_duration_and_segments(server, clips, reference_texts):
+    clip = clips[-1]
+    resp = transcribe(server, clip, response_format="verbose_json")
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["text"].strip() == reference_texts[clip.id]
+    assert abs(float(body["duration"]) - clip.duration) < 0.5
+    assert body["segments"], body
+    assert " ".join(s["text"].strip() for s in body["segments"]).strip() == reference_texts[clip.id]
+
+
+def test_stream_deltas_concatenate_to_the_final_text(server, clips, reference_texts):
+    clip = clips[1]
+    with open(clip.audio, "rb") as fh:
+        resp = requests.post(
+            f"{server.url}/v1/audio/transcriptions",
+            data={"model": "whisper", "stream": "true"},
+            files={"file": (clip.audio.name, fh, "audio/wav")},
+            stream=True, timeout=300,
+        )
+    assert resp.status_code == 200
+    deltas, done = [], None
+    for line in resp.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            break
+        event = json.loads(payload)
+        if event["type"] == "transcript.text.delta":
+            deltas.append(event["delta"])
+        elif event["type"] == "transcript.text.done":
+            done = event["text"]
+    assert done is not None
+    assert done.strip() == reference_texts[clip.id]
+    assert "".join(deltas).strip() == done.strip()
+    assert len(deltas) > 1  # really streamed, not one blob
+
+
+def test_concurrent_requests_match_sequential(server, clips, reference_texts):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda c: transcribe(server, c, response_format="json"), clips[:4]))
+    for clip, resp in zip(clips[:4], results):
+        assert resp.status_code == 200
+        assert resp.json()["text"].strip() == reference_texts[clip.id]
+
+
+def test_bad_audio_is_a_4xx_with_the_openai_error_envelope(server, tmp_path):
+    junk = tmp_path / "not-audio.wav"
+    junk.write_bytes(b"this is not a wav file at all" * 10)
+    with open(junk, "rb") as fh:
+        resp = requests.post(f"{server.url}/v1/audio/transcriptions",
+                             files={"file": ("not-audio.wav", fh, "audio/wav")}, timeout=60)
+    assert 400 <= resp.status_code < 500, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and "type" in error and "param" in error and "code" in error
+    # and the server is still serving
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_stop_by_pid_leaves_no_process(base_model_dir, tmp_path):
+    """A second server on another port starts, serves /health, and is gone after stop()."""
+    import os
+
+    options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=tmp_path / "log")
+    with Server(options) as srv:
+        pid = srv.process.pid
+        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
