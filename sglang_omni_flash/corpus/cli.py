@@ -1,0 +1,79 @@
+"""`whisper-flash corpus ...`: make the speech the tests, benchmarks and drafter training use."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sglang_omni_flash.paths import audio_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    corpus = subparsers.add_parser("corpus", help="generate test / training speech")
+    sub = corpus.add_subparsers(dest="corpus_command", required=True, metavar="ACTION")
+
+    synth = sub.add_parser("synth", help="synthesize a corpus; prints its manifest path")
+    synth.add_argument("--out", type=Path,
+                       help="output folder (default: AUDIO_DIR/synth-SPLIT-seedS)")
+    synth.add_argument("--n", type=int, required=True, help="number of clips")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--split", choices=("train", "heldout"), default="train",
+                       help="text pool and default voice set (disjoint between the two)")
+    synth.add_argument("--voices", help="comma-separated voice names (default: the split's set), "
+                       "e.g. espeak:en-us+m3,flite:slt,festival:kal,piper:joe")
+    synth.add_argument("--quiet", action="store_true", help="no progress bar")
+    synth.set_defaults(func=_synth)
+
+    librivox = sub.add_parser("librivox",
+                              help="cut the real LibriVox reading; prints its manifest path")
+    librivox.add_argument("--out", type=Path, help="output folder (default: AUDIO_DIR/librivox)")
+    librivox.set_defaults(func=_librivox)
+
+    test_set = sub.add_parser("test-set",
+                              help="build the default test set; prints its manifest paths")
+    test_set.add_argument("--quiet", action="store_true", help="no progress bar")
+    test_set.set_defaults(func=_test_set)
+
+    voices = sub.add_parser("voices", help="list the voices and whether each is installed")
+    voices.set_defaults(func=_voices)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus.synth import generate_corpus
+    from sglang_omni_flash.errors import UserError
+
+    if args.n < 1:
+        raise UserError("--n must be at least 1")
+    out = args.out or audio_dir() / f"synth-{args.split}-seed{args.seed}"
+    voices = [v for v in (args.voices or "").split(",") if v.strip()]
+    manifest = generate_corpus(out, args.n, args.seed, voices=voices or None, split=args.split,
+                               sources_dir=audio_dir() / "sources", progress=not args.quiet)
+    print(manifest)
+    return 0
+
+
+def _librivox(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus.librivox import build_librivox
+
+    print(build_librivox(args.out or audio_dir() / "librivox", audio_dir() / "sources"))
+    return 0
+
+
+def _test_set(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus.synth import build_test_set
+
+    paths = build_test_set(audio_dir(), progress=not args.quiet)
+    print(paths.synth)
+    print(paths.librivox)
+    print(paths.combined)
+    return 0
+
+
+def _voices(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus import voices
+
+    for split, chosen in voices.VOICES_BY_SPLIT.items():
+        for voice in chosen:
+            hint = voices.SYNTHESIZERS[voice.family].missing(voice.model)
+            print(f"{split:8s} {voice.name:28s} {'ok' if hint is None else 'missing: ' + hint}")
+    return 0

@@ -1,0 +1,136 @@
+"""What the synthetic voices read: real public-domain English prose.
+
+The text is *Botchan (Master Darling)* by Natsume Soseki, English translation by Yasotaro
+Morri (1919), Project Gutenberg eBook #8868, as shipped in the `sentencepiece` 0.2.3 sdist
+(see `sources.py`). Its eleven chapters are cleaned to plain sentences and split into two
+disjoint pools: chapters I-IX for `train`, X-XI for `heldout` (a sentence that occurs in
+both is dropped from `train`). A passage is a run of consecutive sentences of one chapter,
+drawn from a `random.Random`, so the same seed gives the same passages everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from sglang_omni_flash.corpus.sources import BOTCHAN, sdist_member
+
+SPLITS = ("train", "heldout")
+TITLE = "Botchan"
+_ROMAN = ("I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X", "XI")
+HELDOUT_CHAPTERS = frozenset({"X", "XI"})
+
+MIN_SENTENCE_WORDS = 3
+MAX_SENTENCE_WORDS = 50  # longer sentences alone run past 20 s with slow voices
+_ABBREVIATIONS = frozenset({"mr", "mrs", "dr", "st", "messrs", "mt", "no", "vs", "etc"})
+_ALLOWED = re.compile(r"^[A-Za-z0-9 ,.;:!?'\-]+$")
+
+
+@dataclass(frozen=True)
+class Chapter:
+    name: str  # roman numeral
+    sentences: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Passage:
+    text: str
+    source: str  # "Botchan, chapter III"
+    words: int
+
+
+def clean(raw: str) -> str:
+    """Book typography to plain text a synthesizer reads as written."""
+    text = raw.replace("\ufeff", "")
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # [Illustration], editor's notes
+    text = text.replace("_", "")  # _emphasis_
+    text = re.sub(r"\s*--+\s*", ", ", text)  # dashes read as a pause
+    text = re.sub(r"\.{2,}(?=\s+[a-z])", ",", text)  # "later...... and" -> "later, and"
+    text = re.sub(r"\.{2,}", ".", text)
+    text = text.replace('"', " ")
+    text = re.sub(r"(?<![A-Za-z])'|'(?![A-Za-z])", " ", text)  # quote marks, not apostrophes
+    text = re.sub(r"\s+", " ", text)
+    text = re.sub(r"\s+([,.;:!?])", r"\1", text)
+    text = re.sub(r"([,;:])(?:\s*[,;:])+", r"\1", text)  # ", ," left by removed quotes
+    text = re.sub(r"([.!?])\s*,", r"\1", text)
+    return text.strip()
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split at . ! ? followed by a capital, except after Mr., Mrs., initials and such."""
+    sentences, start = [], 0
+    for match in re.finditer(r"[.!?]+(?=\s+[A-Z])", text):
+        before = text[start:match.start()].split()
+        last = before[-1].lower() if before else ""
+        if match.group() == "." and (last in _ABBREVIATIONS or len(last) == 1):
+            continue
+        sentences.append(text[start:match.end()].strip())
+        start = match.end()
+    tail = text[start:].strip()
+    if tail:
+        sentences.append(tail)
+    return sentences
+
+
+def _usable(sentence: str) -> bool:
+    words = len(sentence.split())
+    return (
+        MIN_SENTENCE_WORDS <= words <= MAX_SENTENCE_WORDS
+        and _ALLOWED.match(sentence) is not None
+        and sentence[0].isupper()
+        and sentence[-1] in ".!?"
+    )
+
+
+def parse_book(raw: str) -> list[Chapter]:
+    """The chapters of the Gutenberg file, licence and front matter left out."""
+    body = raw.split("*** START OF THIS PROJECT GUTENBERG EBOOK", 1)[-1]
+    body = body.split("*** END OF THIS PROJECT GUTENBERG EBOOK", 1)[0]
+    parts = re.split(r"^CHAPTER ([IVX]+)\.?\s*$", body, flags=re.MULTILINE)
+    # parts = [front matter, "I", text, "II", text, ...]
+    chapters = []
+    for name, chapter_text in zip(parts[1::2], parts[2::2], strict=True):
+        sentences = tuple(s for s in split_sentences(clean(chapter_text)) if _usable(s))
+        chapters.append(Chapter(name, sentences))
+    if [c.name for c in chapters] != list(_ROMAN):
+        raise ValueError(f"unexpected chapters in {TITLE}: {[c.name for c in chapters]}")
+    return chapters
+
+
+@lru_cache(maxsize=4)
+def _pools(book_path: Path) -> dict[str, tuple[Chapter, ...]]:
+    chapters = parse_book(book_path.read_text(encoding="utf-8"))
+    heldout = [c for c in chapters if c.name in HELDOUT_CHAPTERS]
+    heldout_sentences = {s for c in heldout for s in c.sentences}
+    train = [
+        Chapter(c.name, tuple(s for s in c.sentences if s not in heldout_sentences))
+        for c in chapters if c.name not in HELDOUT_CHAPTERS
+    ]
+    return {"train": tuple(train), "heldout": tuple(heldout)}
+
+
+def text_pool(split: str, sources_dir: Path) -> tuple[Chapter, ...]:
+    """The chapters (as sentence lists) a split draws from; pools of splits are disjoint."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    return _pools(sdist_member(BOTCHAN, sources_dir).resolve())[split]
+
+
+def draw_passage(rng: random.Random, chapters: tuple[Chapter, ...], target_words: int) -> Passage:
+    """Consecutive sentences from a random place, until about `target_words` words."""
+    starts = [(c, i) for c in chapters for i in range(len(c.sentences))]
+    chapter, index = starts[rng.randrange(len(starts))]
+    chosen: list[str] = []
+    words = 0
+    for sentence in chapter.sentences[index:]:
+        n = len(sentence.split())
+        if chosen and words + n > max(target_words, MAX_SENTENCE_WORDS):
+            break
+        chosen.append(sentence)
+        words += n
+        if words >= target_words:
+            break
+    return Passage(" ".join(chosen), f"{TITLE}, chapter {chapter.name}", words)

