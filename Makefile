@@ -21,7 +21,8 @@ PYTEST_ARGS ?=
 
 # GPU machines get sglang's GPU kernels (flashinfer, ...); CPU machines the trimmed set.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-LOCK    := configs/requirements-$(if $(HAS_GPU),gpu,cpu).lock
+LOCK    := configs/requirements-cpu.lock
+GPU_REQ := $(if $(HAS_GPU),configs/requirements-gpu.txt)
 STAMP   := $(VENV)/.installed-$(if $(HAS_GPU),gpu,cpu)
 
 .PHONY: setup apt venv serve test models test-audio clean-venv
@@ -38,11 +39,14 @@ apt:
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
+$(STAMP): $(LOCK) $(GPU_REQ) pyproject.toml
 	@start=$$(date +%s); \
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); \
 	echo "[setup] installing $(LOCK) into $(VENV) (first time: several minutes)"; \
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK) 2>&1 | sed "/^WARNING: Location/d" || exit 1; \
+	if [ -n "$(GPU_REQ)" ]; then \
+	  $(BIN)/python -m pip install -q --disable-pip-version-check -c $(LOCK) -r $(GPU_REQ) 2>&1 | sed "/^WARNING: Location/d" || exit 1; \
+	fi; \
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | sed "/^WARNING: Location/d" || exit 1; \
 	$(BIN)/python -c "import torch, transformers, sglang_omni_flash" || exit 1; \
 	rm -f $(VENV)/.installed-*; touch $@; \
