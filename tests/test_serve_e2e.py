@@ -15,7 +15,7 @@ import requests
 import soundfile as sf
 
 from sglang_omni_flash.serving.launch import Server, ServeOptions
-from tests.conftest import free_port
+from conftest import free_port
 
 pytestmark = pytest.mark.server
 
