@@ -39,7 +39,7 @@ apt:
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) $(GPU_REQ) pyproject.toml
+$(STAMP): $(LOCK) $(GPU_REQ) pyproject.toml setup.py
 	@start=$$(date +%s); \
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); \
 	echo "[setup] installing $(LOCK) into $(VENV) (first time: several minutes)"; \

@@ -100,6 +100,30 @@ def plan_launch(options: ServeOptions) -> LaunchPlan:
     return LaunchPlan(argv=argv, env=env, on_cpu=on_cpu, model_dir=model_dir, config_file=config_file)
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs of processes in group `pgid` that are still running (zombies excluded)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while live_group_members(pgid) and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
 class Server:
     """One `sgl-omni serve` process group: start, wait until healthy, stop by PID."""
 
@@ -165,6 +189,7 @@ class Server:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        _wait_group_gone(process.pid)
         self.process = None
         if self._log is not None:
             self._log.close()

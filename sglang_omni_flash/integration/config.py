@@ -1,0 +1,97 @@
+"""``WhisperFlashASRPipelineConfig``: sglang-omni's Whisper ASR pipeline plus Whisper-Flash options.
+
+The options are fields of the ASR *stage* config, so the command line paths are
+``--asr.speculative``, ``--asr.speculative_draft_model_path`` and
+``--asr.speculative_num_draft_tokens`` (sglang-omni prefixes a dotted flag whose head is a
+stage name with ``stages.``; ``O/config/path.py`` compiles it against
+``stage_config_types["asr"]``). They reach the stage factory through
+``stage_factory_kwargs`` -- only when ``speculative`` is set, so without it the factory
+receives exactly the kwargs of the stock pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from sglang_omni.config import StageConfig
+from sglang_omni.models.whisper_asr.config import (
+    WhisperASRPipelineConfig,
+    WhisperASRStageConfig,
+)
+
+FACTORY_PATH = "sglang_omni_flash.integration.stages.create_whisper_flash_asr_executor"
+SPECULATIVE_ALGORITHMS = ("whisper-flash",)
+
+
+class WhisperFlashASRStageConfig(WhisperASRStageConfig):
+    """The stock Whisper ASR stage with the speculative-decoding switch."""
+
+    # None: plain greedy/sampled decoding, exactly sglang-omni's.
+    speculative: Literal["whisper-flash"] | None = None
+    # Drafter checkpoint directory; None: the shipped drafter that fits the target.
+    speculative_draft_model_path: str | None = None
+    # Candidates proposed per round (the drafter's block size is the upper bound).
+    speculative_num_draft_tokens: int = Field(default=8, ge=1, le=64)
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _known_algorithm(cls, value: object) -> object:
+        if value is None or value in SPECULATIVE_ALGORITHMS:
+            return value
+        raise ValueError(
+            f"asr.speculative={value!r} is not supported: the Whisper ASR stage speculates only with "
+            f"{' or '.join(repr(a) for a in SPECULATIVE_ALGORITHMS)} (or leave it unset for plain decoding)"
+        )
+
+    @model_validator(mode="after")
+    def _options_need_the_switch(self) -> "WhisperFlashASRStageConfig":
+        default_k = type(self).model_fields["speculative_num_draft_tokens"].default
+        if self.speculative is None and (
+            self.speculative_draft_model_path is not None or self.speculative_num_draft_tokens != default_k
+        ):
+            raise ValueError(
+                "asr.speculative_draft_model_path / asr.speculative_num_draft_tokens are set but "
+                "asr.speculative is not: add --asr.speculative whisper-flash (or drop them)"
+            )
+        return self
+
+    def speculative_options(self) -> dict[str, object]:
+        """The factory kwargs of the speculative fields; empty when speculation is off."""
+        if self.speculative is None:
+            return {}
+        return {
+            "speculative": self.speculative,
+            "speculative_draft_model_path": self.speculative_draft_model_path,
+            "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
+        }
+
+
+def _plugin_stage(stock: WhisperASRStageConfig) -> WhisperFlashASRStageConfig:
+    """The stock default stage, retyped, with the plugin factory; every other value kept."""
+    data = stock.model_dump(exclude_unset=True)
+    data["factory_path"] = FACTORY_PATH
+    return WhisperFlashASRStageConfig.model_validate(data)
+
+
+_STOCK_STAGES = WhisperASRPipelineConfig.model_fields["stages"].default
+
+
+class WhisperFlashASRPipelineConfig(WhisperASRPipelineConfig):
+    """Whisper ASR with optional Whisper-Flash speculative decoding (``--asr.speculative``)."""
+
+    stage_config_types: ClassVar[dict[str, type[StageConfig]]] = {"asr": WhisperFlashASRStageConfig}
+
+    stages: list[StageConfig] = [_plugin_stage(stage) for stage in _STOCK_STAGES]
+
+    def stage_factory_kwargs(self, stage_name: str) -> Mapping[str, object]:
+        kwargs = dict(super().stage_factory_kwargs(stage_name) or {})
+        stage = self.stage_named(stage_name)
+        if isinstance(stage, WhisperFlashASRStageConfig):
+            kwargs.update(stage.speculative_options())
+        return kwargs
+
+
+EntryClass = WhisperFlashASRPipelineConfig

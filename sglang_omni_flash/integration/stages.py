@@ -1,0 +1,41 @@
+"""The ASR stage factory that ``WhisperFlashASRPipelineConfig`` points at.
+
+Without ``speculative`` and for multilingual checkpoints it is sglang-omni's
+``create_sglang_whisper_asr_executor`` called with the very same kwargs. English-only
+(``.en``) checkpoints get the plugin builder, which fixes their prompt prefix
+(``english_only.py``). The stage worker imports this module by its dotted path
+(``StageConfig.factory_path``), so it needs no registration of its own.
+"""
+
+from __future__ import annotations
+
+from sglang_omni_flash.errors import UserError
+
+
+def create_whisper_flash_asr_executor(
+    model_path: str,
+    *,
+    gpu_id: int | None = None,
+    speculative: str | None = None,
+    speculative_draft_model_path: str | None = None,
+    speculative_num_draft_tokens: int = 8,
+    **stock_kwargs,
+):
+    if speculative is not None:
+        from sglang_omni_flash.integration.drafter_source import resolve_drafter
+
+        drafter_dir = resolve_drafter(model_path, speculative_draft_model_path)
+        raise UserError(
+            f"--asr.speculative {speculative} (drafter {drafter_dir}): the Whisper-Flash decode worker is not "
+            "part of this build yet; serve without --asr.speculative"
+        )
+    from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
+
+    if checkpoint_is_english_only(model_path):
+        from sglang_omni_flash.integration.engine_builder import WhisperFlashEngineBuilder, build_executor
+
+        return build_executor(WhisperFlashEngineBuilder, model_path, gpu_id=gpu_id, **stock_kwargs)
+
+    from sglang_omni.models.whisper_asr.stages import create_sglang_whisper_asr_executor
+
+    return create_sglang_whisper_asr_executor(model_path, gpu_id=gpu_id, **stock_kwargs)

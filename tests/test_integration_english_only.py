@@ -1,0 +1,92 @@
+"""English-only (`.en`) checkpoints through the real `sgl-omni serve`: the plugin fixes the prefix.
+
+Stock sglang-omni 0.1.9 prompts every checkpoint with `<|startoftranscript|><|en|><|transcribe|>
+<|notimestamps|>`; tiny.en answers EOS at once and the server returns "". Through
+`WhisperFlashASRPipelineConfig` the prompt is `<|startoftranscript|><|notimestamps|>` and the
+text equals transformers `generate()`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import soundfile as sf
+
+from conftest import free_port
+
+pytest.importorskip("sglang_omni")
+
+N_CLIPS = 4
+
+
+def test_english_only_prefix_has_no_language_or_task_token(tiny_en_model_dir, base_model_dir):
+    from sglang_omni.models.whisper_asr.request_builders import build_prefix_tokens
+    from transformers import GenerationConfig, WhisperTokenizer
+
+    from sglang_omni_flash.integration.english_only import EnglishOnlyPrefix, is_english_only
+
+    assert is_english_only(GenerationConfig.from_pretrained(tiny_en_model_dir))
+    assert not is_english_only(GenerationConfig.from_pretrained(base_model_dir))
+    tokenizer = WhisperTokenizer.from_pretrained(tiny_en_model_dir)
+    ids = tokenizer.convert_tokens_to_ids
+    sot, no_ts = ids("<|startoftranscript|>"), ids("<|notimestamps|>")
+    assert len(build_prefix_tokens(tokenizer, language="en", task="transcribe")) == 4  # the stock bug
+    view = EnglishOnlyPrefix(tokenizer)
+    assert build_prefix_tokens(view, language="en", task="transcribe") == [sot, no_ts]
+    assert build_prefix_tokens(view, language="en", task="transcribe", predict_timestamps=True) == [sot]
+    assert len(view) == len(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def clips(test_clips):
+    real = [c for c in test_clips if c.voice.startswith("librivox")]
+    synthetic = [c for c in test_clips if not c.voice.startswith("librivox")]
+    return synthetic[: N_CLIPS // 2] + real[: N_CLIPS // 2]
+
+
+@pytest.fixture(scope="module")
+def reference_texts(tiny_en_model_dir, clips):
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(tiny_en_model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(
+        tiny_en_model_dir, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    texts = {}
+    with torch.inference_mode():
+        for clip in clips:
+            audio, sr = sf.read(clip.audio, dtype="float32")
+            features = processor(audio, sampling_rate=sr, return_tensors="pt").input_features
+            ids = model.generate(features, max_new_tokens=440)
+            texts[clip.id] = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
+    assert all(texts.values())
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(tiny_en_model_dir, tmp_path_factory):
+    from sglang_omni_flash.serving.launch import Server, ServeOptions
+
+    work = tmp_path_factory.mktemp("server-en")
+    options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log")
+    srv = Server(options)
+    srv.start()
+    try:
+        srv.wait_ready()
+    except Exception:
+        srv.stop()
+        print((work / "sgl-omni.log").read_text(errors="replace")[-5000:])
+        raise
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.server
+def test_tiny_en_server_text_equals_transformers_generate(server, clips, reference_texts):
+    for clip in clips:
+        with open(clip.audio, "rb") as fh:
+            resp = requests.post(f"{server.url}/v1/audio/transcriptions",
+                                 data={"model": "whisper", "response_format": "json"},
+                                 files={"file": (clip.audio.name, fh, "audio/wav")}, timeout=300)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text"].strip() == reference_texts[clip.id], clip.id
