@@ -13,6 +13,7 @@ from sglang_omni_flash.errors import UserError
 _COMMAND_MODULES = (
     "sglang_omni_flash.models.cli",
     "sglang_omni_flash.corpus.cli",
+    "sglang_omni_flash.engine.cli",
     "sglang_omni_flash.serving.cli",
 )
 

@@ -1,0 +1,492 @@
+"""The standalone Whisper-Flash engine over transformers Whisper weights.
+
+`WhisperFlashEngine(options)` loads the target (and a drafter), then for each static batch of
+`options.batch_size` requests: encodes the audio once, fills the target's cross-attention K/V and the
+drafter's acoustic K/V once, detects the language where needed, and runs `SpeculativeDecoder` (or its
+baseline mode, one token per step) over a static preallocated cache. Finished requests are compacted
+out of every buffer, so the remaining ones never wait or pay for them.
+
+CPU: float32, SDPA, attention limited to the live part of the cache. CUDA: float16 and CUDA graphs
+for prefill, each verify length and the drafter, captured once per (batch bucket, length) over
+preallocated buffers.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sglang_omni_flash.engine.audio import LogMel, load_audio
+from sglang_omni_flash.engine.logit_rules import LogitRules
+from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
+from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
+from sglang_omni_flash.engine.target import WhisperTarget
+from sglang_omni_flash.errors import UserError
+
+SLACK = 16  # cache slots past the decoder window: padded rows of a verify block write there
+
+
+def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
+    if options.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(options.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError("device cuda requested, but no CUDA device is available")
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if options.dtype == "auto":
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    elif options.dtype in names:
+        dtype = names[options.dtype]
+    else:
+        raise UserError(f"unknown dtype {options.dtype!r} (auto, float32, float16, bfloat16)")
+    return device, dtype
+
+
+def _bucket(n: int) -> int:
+    """CUDA graph batch buckets: 1, 2, 4, 8, 16, ..."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+# ------------------------------------------------------------------------------------ backend
+
+
+class TargetBackend:
+    """`VerifyBackend` over `WhisperTarget` with a static cache; optional CUDA graphs."""
+
+    def __init__(self, target: WhisperTarget, batch: int, enc_len: int, cuda_graphs: bool):
+        self.target = target
+        self.graphs_on = cuda_graphs and target.device.type == "cuda"
+        rows = _bucket(batch) if self.graphs_on else batch
+        self.cache = target.new_cache(rows, SLACK)
+        self.cross = target.new_cross(rows, enc_len)
+        self.vocab_size = target.vocab_size
+        self.n = 0
+        self._history = None
+        if target.history_layers:
+            self._history = torch.zeros(
+                rows, 64, len(target.history_layers), target.d_model, dtype=target.dtype, device=target.device
+            )
+        if self.graphs_on:
+            self._graphs = _GraphCache(self, rows)
+
+    def start(self, encoder_out: torch.Tensor) -> None:
+        self.n = encoder_out.shape[0]
+        self.target.fill_cross(encoder_out, self.cross)
+
+    def verify(self, tokens, positions, kv_len, want_history):
+        n, t = tokens.shape
+        history = self._history if (want_history and self._history is not None and t <= self._history.shape[1]) else None
+        if self.graphs_on:
+            return self._graphs.run(tokens, positions, want_history)
+        masked = not (t == 1 and self.target.device.type == "cpu" and bool((positions == kv_len - 1).all()))
+        logits, states = self.target.forward(
+            tokens, positions, self.cache, self.cross, kv_len=kv_len, masked=masked, history_out=history
+        )
+        return logits, (states if want_history else None)
+
+    def commit(self, lengths: list[int]) -> None:
+        pass  # lengths live with the decode loop; slots past them are masked by position
+
+    def retire(self, keep: torch.Tensor) -> None:
+        self.cache.compact(keep)
+        self.cross.compact(keep)
+        self.n = keep.numel()
+
+
+class _GraphCache:
+    """CUDA graphs of the target forward, one per (batch bucket, number of new tokens).
+
+    Inputs are copied into static token/position buffers; rows past n (padding up to the bucket)
+    get positions in the slack region past the decoder window, so they never touch a live slot.
+    Captures share one memory pool; each graph's outputs stay referenced, so replays in any order
+    never overwrite another graph's outputs, and every output is consumed before the next replay.
+    """
+
+    def __init__(self, backend: TargetBackend, rows: int):
+        self.backend = backend
+        t = backend.target
+        self.tokens = torch.zeros(rows, 64, dtype=torch.long, device=t.device)
+        self.positions = torch.zeros(rows, 64, dtype=torch.long, device=t.device)
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed = False
+        self.slack_pos = t.max_positions  # first slot past the decoder window
+
+    def _park(self, nb: int, t: int, start: int = 0) -> None:
+        self.tokens[start:nb, :t] = 0
+        self.positions[start:nb, :t] = self.slack_pos + torch.arange(t, device=self.positions.device)
+
+    def run(self, tokens, positions, want_history):
+        be, tg = self.backend, self.backend.target
+        n, t = tokens.shape
+        if self.failed or t > self.tokens.shape[1]:
+            history = be._history if t <= self.tokens.shape[1] else None
+            return tg.forward(tokens, positions, be.cache, be.cross, history_out=history)
+        nb = _bucket(n)
+        key = (nb, t)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(nb, t)
+            except Exception as exc:  # never let a capture problem break decoding: run eagerly
+                print(f"whisper-flash: CUDA graph capture failed ({exc}); running eagerly", file=sys.stderr)
+                self.failed = True
+                return self.run(tokens, positions, want_history)
+        graph, logits, states = self.graphs[key]
+        self.tokens[:n, :t].copy_(tokens)
+        self.positions[:n, :t].copy_(positions)
+        if nb > n:
+            self._park(nb, t, start=n)
+        graph.replay()
+        return logits[:n], (states[:n] if states is not None else None)
+
+    def _capture(self, nb: int, t: int):
+        be, tg = self.backend, self.backend.target
+        self._park(nb, t)
+        tok, pos = self.tokens[:nb, :t], self.positions[:nb, :t]
+
+        def fwd():
+            return tg.forward(tok, pos, be.cache, be.cross, kv_len=None, masked=True, history_out=be._history)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fwd()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, states = fwd()
+        return graph, logits, states
+
+
+# ----------------------------------------------------------------------------------- proposer
+
+
+class DrafterProposer:
+    """`Proposer` over a `WhisperFlashDrafter`: static history K/V by position, acoustic K/V once."""
+
+    def __init__(self, drafter, batch: int, max_len: int, enc_len: int, cuda_graphs: bool):
+        cfg = drafter.config
+        self.drafter = drafter
+        self.block_size = cfg.block_size
+        self.use_history = cfg.use_history
+        self.use_audio = cfg.use_audio
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.graphs_on = cuda_graphs and self.device.type == "cuda"
+        rows = _bucket(batch) if self.graphs_on else batch
+        layers, heads, hd = cfg.n_layers, cfg.n_heads, cfg.head_dim
+        z = dict(dtype=self.dtype, device=self.device)
+        self.hist_k = torch.zeros(layers, rows, heads, max_len, hd, **z) if self.use_history else None
+        self.hist_v = torch.zeros_like(self.hist_k) if self.use_history else None
+        self.ac_k = torch.zeros(layers, rows, heads, enc_len, hd, **z) if self.use_audio else None
+        self.ac_v = torch.zeros_like(self.ac_k) if self.use_audio else None
+        self._heads = torch.arange(heads, device=self.device)[None, :, None]
+        self._rows = torch.arange(rows, device=self.device)[:, None, None]
+        self._graphs: dict = {}
+        self._graph_failed = False
+        if self.graphs_on:
+            self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self._anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+
+    def start(self, encoder_out: torch.Tensor) -> None:
+        if self.use_audio:
+            b = encoder_out.shape[0]
+            for i, (k, v) in enumerate(self.drafter.acoustic_kv(encoder_out)):
+                self.ac_k[i, :b].copy_(k)
+                self.ac_v[i, :b].copy_(v)
+
+    def _memories(self, n: int, window: int | None):
+        hist = acoustic = None
+        if self.use_history:
+            w = self.hist_k.shape[3] if window is None else max(1, window)
+            hist = [(self.hist_k[i, :n, :, :w], self.hist_v[i, :n, :, :w]) for i in range(self.hist_k.shape[0])]
+        if self.use_audio:
+            acoustic = [(self.ac_k[i, :n], self.ac_v[i, :n]) for i in range(self.ac_k.shape[0])]
+        return hist, acoustic
+
+    def propose(self, inputs: RoundInputs) -> Proposal:
+        n = inputs.anchor.shape[0]
+        if self.graphs_on and not self._graph_failed:
+            return Proposal(logits=self._propose_graph(inputs.anchor, inputs.anchor_pos))
+        hist, acoustic = self._memories(n, inputs.kv_len - 1)
+        logits = self.drafter(inputs.anchor, inputs.anchor_pos, hist, inputs.anchor_pos, acoustic)
+        return Proposal(logits=logits)
+
+    def _propose_graph(self, anchor, anchor_pos):
+        n = anchor.shape[0]
+        nb = _bucket(n)
+        if nb not in self._graphs:
+            try:
+                self._graphs[nb] = self._capture(nb)
+            except Exception as exc:
+                print(f"whisper-flash: drafter CUDA graph capture failed ({exc}); running eagerly", file=sys.stderr)
+                self._graph_failed = True
+                hist, acoustic = self._memories(n, None)
+                return self.drafter(anchor, anchor_pos, hist, anchor_pos, acoustic)
+        graph, logits = self._graphs[nb]
+        self._anchor[:n].copy_(anchor)
+        self._anchor_pos[:n].copy_(anchor_pos)
+        self._anchor_pos[n:nb] = 0
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, nb: int):
+        hist, acoustic = self._memories(nb, None)
+        anchor, pos = self._anchor[:nb], self._anchor_pos[:nb]
+
+        def fwd():
+            return self.drafter(anchor, pos, hist, pos, acoustic)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fwd()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = fwd()
+        return graph, logits
+
+    def observe(self, states, positions) -> None:
+        if not self.use_history or states is None:
+            return
+        n = positions.shape[0]
+        history = self.drafter.project_history(states)  # [n, T, d]
+        index = (self._rows[:n], self._heads, positions[:, None, :])
+        for i, (k, v) in enumerate(self.drafter.history_kv(history, positions)):
+            self.hist_k[i, :n].index_put_(index, k)
+            self.hist_v[i, :n].index_put_(index, v)
+
+    def retire(self, keep: torch.Tensor) -> None:
+        m = keep.numel()
+        for buf in (self.hist_k, self.hist_v, self.ac_k, self.ac_v):
+            if buf is not None:
+                buf[:, :m] = buf.index_select(1, keep)
+
+
+# -------------------------------------------------------------------------------------- engine
+
+
+@dataclass
+class Timing:
+    """Seconds of the last `decode` call (log-mel in, last token out)."""
+
+    encoder_s: float = 0.0
+    decode_s: float = 0.0  # everything after the encoder (prompt, prefill, rounds)
+
+    @property
+    def total_s(self) -> float:
+        return self.encoder_s + self.decode_s
+
+
+class WhisperFlashEngine:
+    """Greedy / sampling Whisper decoding, with or without Whisper-Flash speculation."""
+
+    def __init__(self, options: EngineOptions, model=None, drafter=None):
+        from transformers import WhisperForConditionalGeneration, WhisperTokenizerFast
+
+        if options.batch_size < 1:
+            raise UserError(f"batch size must be at least 1, got {options.batch_size}")
+        if options.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {options.temperature}")
+        if options.block_size < 1:
+            raise UserError(f"block size must be at least 1, got {options.block_size}")
+        self.options = options
+        self.device, self.dtype = resolve_device(options)
+        if options.threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(options.threads)
+
+        if model is None:
+            from sglang_omni_flash.models.embedded import resolve_model
+
+            self.model_dir = resolve_model(options.model)
+            model = WhisperForConditionalGeneration.from_pretrained(str(self.model_dir), dtype=self.dtype)
+        else:
+            self.model_dir = Path(getattr(model.config, "_name_or_path", "") or ".")
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.special = SpecialTokens.from_model(self.model)
+        self.tokenizer = WhisperTokenizerFast.from_pretrained(str(self.model_dir))
+        self.log_mel = LogMel(self.model_dir, self.model.config.num_mel_bins)
+
+        self.drafter, self.drafter_source = (drafter, "given") if drafter is not None else self._load_drafter()
+        if self.drafter is not None:
+            self.drafter = self.drafter.to(device=self.device, dtype=self.dtype).eval()
+        history_layers = self.drafter.config.history_layers if self.drafter is not None else ()
+        self.target = WhisperTarget(self.model, history_layers)
+        self.timing = Timing()
+        self.resize(options.batch_size)
+
+    def resize(self, batch_size: int) -> None:
+        """(Re)allocate the static buffers for batches of `batch_size` requests."""
+        if batch_size < 1:
+            raise UserError(f"batch size must be at least 1, got {batch_size}")
+        self.options = self.options.with_(batch_size=batch_size)
+        enc_len = self.model.config.max_source_positions
+        graphs = self.options.cuda_graphs and self.device.type == "cuda"
+        self.backend = self.proposer = None  # free the old buffers first
+        self.backend = TargetBackend(self.target, batch_size, enc_len, graphs)
+        if self.drafter is not None:
+            max_len = self.target.max_positions + SLACK
+            self.proposer = DrafterProposer(self.drafter, batch_size, max_len, enc_len, graphs)
+
+    # -- loading -----------------------------------------------------------------------------
+    def _load_drafter(self):
+        """-> (drafter or None, where it came from: a path, "shipped: PATH", "untrained", "none")."""
+        opts = self.options
+        if not opts.speculative and opts.drafter is None:
+            return None, "none"
+        from sglang_omni_flash.flash.checkpoint import find_shipped_drafter, load_drafter
+        from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+
+        if opts.drafter is not None:
+            path = Path(opts.drafter).expanduser()
+            if not path.is_dir():
+                raise UserError(f"drafter directory not found: {path}")
+            return load_drafter(path, self.model), str(path)
+        shipped = find_shipped_drafter(self.model)
+        if shipped is not None:
+            return load_drafter(shipped, self.model), f"shipped: {shipped}"
+        with torch.random.fork_rng(devices=[]):  # the untrained drafter's mask vector is random
+            torch.manual_seed(opts.seed)
+            drafter = WhisperFlashDrafter.from_target(self.model, block_size=opts.block_size)
+        return drafter, "untrained (initialised from the target)"
+
+    # -- public ------------------------------------------------------------------------------
+    def features(self, audio) -> torch.Tensor:
+        """Paths or 16 kHz float arrays -> log-mel [N, n_mels, 3000]."""
+        waves = [load_audio(a) if isinstance(a, (str, Path)) else np.asarray(a, dtype=np.float32) for a in audio]
+        return self.log_mel(waves)
+
+    def transcribe(self, audio, speculative: bool | None = None, progress=None) -> list[DecodeResult]:
+        return self.decode(self.features(audio), speculative=speculative, progress=progress)
+
+    @torch.inference_mode()
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel [N, n_mels, 3000] -> encoder output [N, 1500, d] (in static batches)."""
+        bs = self.options.batch_size
+        return torch.cat([self.target.encode(features[i : i + bs].to(self.device)) for i in range(0, features.shape[0], bs)])
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        features: torch.Tensor | None = None,
+        speculative: bool | None = None,
+        proposer=None,
+        progress=None,
+        encoder_out: torch.Tensor | None = None,
+    ) -> list[DecodeResult]:
+        """Decode log-mel features [N, n_mels, 3000] (or their encoder output [N, 1500, d]) in static
+        batches of `options.batch_size`.
+
+        `speculative` defaults to options.speculative; `proposer` replaces the drafter (tests plug
+        oracle / random / adversarial proposers here). Timing of the whole call goes to `self.timing`.
+        """
+        opts = self.options
+        speculative = opts.speculative if speculative is None else speculative
+        if speculative and proposer is None:
+            proposer = self.proposer
+            if proposer is None:
+                raise UserError("speculative decoding needs a drafter (none was loaded)")
+        if not speculative:
+            proposer = None
+        source = features if encoder_out is None else encoder_out
+        self.timing = Timing()
+        generator = self._generator()  # one seeded stream per call
+        results: list[DecodeResult] = []
+        for start in range(0, source.shape[0], opts.batch_size):
+            chunk = source[start : start + opts.batch_size].to(self.device)
+            results += self._decode_batch(chunk, proposer, encoder_out is not None, generator, start)
+            if progress is not None:
+                progress(chunk.shape[0])
+        return results
+
+    # -- one static batch --------------------------------------------------------------------
+    def _decode_batch(self, inputs: torch.Tensor, proposer, encoded: bool, generator, first_id: int) -> list[DecodeResult]:
+        opts, special = self.options, self.special
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        encoder_out = inputs.to(self.dtype) if encoded else self.target.encode(inputs)
+        sync()
+        t1 = time.perf_counter()
+
+        n = inputs.shape[0]
+        self.backend.start(encoder_out)
+        if proposer is not None and hasattr(proposer, "start"):
+            proposer.start(encoder_out)
+        languages = self._languages(n)
+        prompts = [build_prompt(special, lang, opts.task, opts.timestamps) for lang in languages]
+        budget = special.max_target_positions - len(prompts[0])
+        if opts.max_new_tokens is not None:
+            budget = max(1, min(budget, opts.max_new_tokens))
+        decoder = SpeculativeDecoder(
+            self.backend,
+            proposer,
+            self.rules(),
+            special.eos,
+            special.timestamp_begin,
+            opts.temperature,
+            generator,
+            self.device,
+        )
+        results = decoder.run(prompts, [budget] * n, list(range(first_id, first_id + n)))
+        sync()
+        t2 = time.perf_counter()
+        self.timing.encoder_s += t1 - t0
+        self.timing.decode_s += t2 - t1
+        for res, lang in zip(results, languages):
+            res.language = special.language_code(lang) if special.multilingual else "en"
+            res.text = self.text(res.tokens)
+        return results
+
+    def rules(self) -> LogitRules:
+        special = self.special
+        return LogitRules.for_whisper(
+            self.target.vocab_size,
+            special.suppress_tokens,
+            special.begin_suppress_tokens,
+            special.eos,
+            special.no_timestamps,
+            self.options.timestamps,
+            special.max_initial_timestamp_index,
+            self.device,
+        )
+
+    def _generator(self) -> torch.Generator | None:
+        if self.options.temperature <= 0:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.options.seed)
+        return generator
+
+    def _languages(self, n: int) -> list[int | None]:
+        special, opts = self.special, self.options
+        if not special.multilingual:
+            return [None] * n
+        if opts.language is not None:
+            return [special.language_token(opts.language)] * n
+        # one decoder step over <|startoftranscript|>, argmax over the language tokens
+        sot = torch.full((n, 1), special.sot, dtype=torch.long, device=self.device)
+        pos = torch.zeros((n, 1), dtype=torch.long, device=self.device)
+        logits, _ = self.backend.verify(sot, pos, 1, want_history=False)
+        return detect_language(logits[:, 0], special)
+
+    def text(self, tokens: list[int]) -> str:
+        if self.options.timestamps:
+            return self.tokenizer.decode(tokens, skip_special_tokens=False, decode_with_timestamps=True).replace(
+                self.tokenizer.eos_token or "", ""
+            ).strip()
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -1,0 +1,53 @@
+"""Static, preallocated decoder caches: self-attention K/V with per-request lengths, and the
+cross-attention K/V of the encoder output (computed once per request).
+
+Rows 0..n-1 of every buffer are the active requests. Rollback is by length only: positions past a
+request's length stay allocated, are masked out of attention and are overwritten later. When
+requests finish, `compact(keep)` moves the survivors to the front, so the hot loop only ever works
+on narrow views `[:n]` and finished requests cost nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Self-attention K/V: k, v [layers, B, H, L, hd]; L = decoder window + slack for padded rows."""
+
+    def __init__(self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (layers, batch, heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self._heads = torch.arange(heads, device=device)[None, :, None]  # [1, H, 1]
+        self._rows = torch.arange(batch, device=device)[:, None, None]  # [B, 1, 1]
+
+    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [n, H, T, hd] at positions [n, T] of rows 0..n-1; return the [n, H, L, hd] views."""
+        n = k.shape[0]
+        index = (self._rows[:n], self._heads, positions[:, None, :])
+        k_all, v_all = self.k[layer, :n], self.v[layer, :n]
+        k_all.index_put_(index, k)
+        v_all.index_put_(index, v)
+        return k_all, v_all
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move rows `keep` (ascending) to the front."""
+        m = keep.numel()
+        self.k[:, :m] = self.k.index_select(1, keep)
+        self.v[:, :m] = self.v.index_select(1, keep)
+
+
+class CrossKV:
+    """Cross-attention K/V of the encoder output: k, v [layers, B, H, T_enc, hd], filled once per batch."""
+
+    def __init__(self, layers: int, batch: int, heads: int, enc_len: int, head_dim: int, dtype, device):
+        shape = (layers, batch, heads, enc_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        m = keep.numel()
+        self.k[:, :m] = self.k.index_select(1, keep)
+        self.v[:, :m] = self.v.index_select(1, keep)

@@ -1,0 +1,212 @@
+"""Whisper's logit rules, applied to any block of logits rows given each row's generated prefix.
+
+Same semantics (and order) as openai/whisper `decoding.py` and transformers' Whisper processors:
+begin-suppress at the first generated position, then `suppress_tokens`, then (with timestamps) the
+timestamp rules of `ApplyTimestampRules` / `WhisperTimeStampLogitsProcessor`.
+
+A speculative round applies them at every position, in draft and verify alike, with the prefix of
+row i being the emitted tokens plus the first i candidates. Rows are independent, so a verify block
+[n, K+1, V] is flattened to [n*(K+1), V] with one `Prefix` row per logits row; the prefix-free rules
+are one masked fill over the whole block, the timestamp rules are a few vectorised masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What the rules read of each row's generated prefix (the tokens after the prompt).
+
+    `min_length` / `max_length` are host ints so that prefix-free work is decided without a device
+    sync; the tensors (shape [R], long) are only needed with timestamps or mixed begin rows.
+    """
+
+    min_length: int
+    max_length: int
+    length: torch.Tensor | None = None  # [R] generated tokens so far
+    last: torch.Tensor | None = None  # [R] last generated token, -1 if none
+    penultimate: torch.Tensor | None = None  # [R] second to last, -1 if none
+    last_timestamp: torch.Tensor | None = None  # [R] last timestamp token in the prefix, -1 if none
+
+    @classmethod
+    def lengths_only(cls, min_length: int, max_length: int | None = None) -> "Prefix":
+        return cls(min_length, min_length if max_length is None else max_length)
+
+    @classmethod
+    def from_state(cls, length, last, penultimate, last_timestamp, device) -> "Prefix":
+        """Build from host lists (one entry per row)."""
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(min(length), max(length), t(length), t(last), t(penultimate), t(last_timestamp))
+
+    @classmethod
+    def from_tokens(cls, rows: list[list[int]], timestamp_begin: int, device) -> "Prefix":
+        """Build from full generated token lists (tests and slow paths)."""
+        length = [len(r) for r in rows]
+        last = [r[-1] if r else -1 for r in rows]
+        pen = [r[-2] if len(r) >= 2 else -1 for r in rows]
+        ts = [next((x for x in reversed(r) if x >= timestamp_begin), -1) for r in rows]
+        return cls.from_state(length, last, pen, ts, device)
+
+    @property
+    def has_tensors(self) -> bool:
+        return self.last is not None
+
+    def extend(self, tokens: torch.Tensor, timestamp_begin: int) -> "Prefix":
+        """The prefix of each row with one more token appended (tokens: [R])."""
+        if not self.has_tensors:
+            return Prefix.lengths_only(self.min_length + 1, self.max_length + 1)
+        return Prefix(
+            self.min_length + 1,
+            self.max_length + 1,
+            self.length + 1,
+            tokens,
+            self.last,
+            torch.where(tokens >= timestamp_begin, tokens, self.last_timestamp),
+        )
+
+    @staticmethod
+    def interleave(prefixes: list["Prefix"]) -> "Prefix":
+        """Rows [n] x positions [P] -> one Prefix of n*P rows ordered row-major (row b, position i)."""
+        first = prefixes[0]
+        lo = min(p.min_length for p in prefixes)
+        hi = max(p.max_length for p in prefixes)
+        if not first.has_tensors:
+            return Prefix.lengths_only(lo, hi)
+
+        def cat(name):
+            return torch.stack([getattr(p, name) for p in prefixes], dim=1).reshape(-1)
+
+        return Prefix(lo, hi, cat("length"), cat("last"), cat("penultimate"), cat("last_timestamp"))
+
+
+class SuppressTokens:
+    """`suppress_tokens`: never generated, at any position."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [V] bool
+
+    def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
+        logits.masked_fill_(self.mask, NEG_INF)
+
+
+class SuppressAtBegin:
+    """`begin_suppress_tokens` (blank and EOS): not allowed as the first generated token."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [V] bool
+
+    def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
+        if prefix.min_length > 0:
+            return
+        if prefix.max_length == 0:
+            logits.masked_fill_(self.mask, NEG_INF)
+            return
+        if prefix.length is None:
+            raise ValueError("rows at and after the first position need Prefix.length")
+        logits.masked_fill_((prefix.length == 0)[:, None] & self.mask, NEG_INF)
+
+
+class ApplyTimestampRules:
+    """Timestamp tokens come in pairs (except before EOS), never decrease, the first one is at most
+    `max_initial_timestamp_index` steps (1.0 s by default), and when the total probability of the
+    timestamps beats every single text token a timestamp is forced."""
+
+    def __init__(self, vocab_size: int, eos_id: int, no_timestamps_id: int, max_initial_timestamp_index: int | None, device):
+        self.eos_id = eos_id
+        self.no_timestamps_id = no_timestamps_id
+        self.timestamp_begin = no_timestamps_id + 1
+        self.max_initial = max_initial_timestamp_index
+        self.columns = torch.arange(vocab_size, device=device)  # [V]
+
+    def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
+        tsb = self.timestamp_begin
+        col = self.columns
+        logits[:, self.no_timestamps_id] = NEG_INF
+        if prefix.max_length == 0:  # every row is at the first generated position
+            mask = self._initial(col)[None, :]
+        else:
+            if not prefix.has_tensors:
+                raise ValueError("timestamp rules need the prefix tensors")
+            last_ts = prefix.last >= tsb
+            pen_ts = (prefix.penultimate >= tsb) | (prefix.length < 2)
+            pair_closed = (last_ts & pen_ts)[:, None]  # two timestamps in a row: text next
+            pair_open = (last_ts & ~pen_ts)[:, None]  # one timestamp: another timestamp or EOS next
+            is_ts_col = (col >= tsb)[None, :]
+            mask = (pair_closed & is_ts_col) | (pair_open & (col < self.eos_id)[None, :])
+            # timestamps never decrease; <|t|> may repeat only to close a pair
+            has_ts = prefix.last_timestamp >= 0
+            floor = torch.where(last_ts & ~pen_ts, prefix.last_timestamp, prefix.last_timestamp + 1)
+            mask |= (has_ts[:, None] & is_ts_col) & (col[None, :] < floor[:, None])
+            if prefix.min_length == 0:
+                mask |= (prefix.length == 0)[:, None] & self._initial(col)[None, :]
+        logits.masked_fill_(mask, NEG_INF)
+        # if the timestamps together are likelier than any single text token, emit a timestamp
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        timestamp_logprob = logprobs[:, tsb:].logsumexp(dim=-1)
+        max_text_logprob = logprobs[:, :tsb].max(dim=-1).values
+        logits[:, :tsb].masked_fill_((timestamp_logprob > max_text_logprob)[:, None], NEG_INF)
+
+    def _initial(self, col: torch.Tensor) -> torch.Tensor:
+        """[V] bool: what the first generated token may not be (text, or a timestamp beyond the limit)."""
+        mask = col < self.timestamp_begin
+        if self.max_initial is not None:
+            mask |= col > self.timestamp_begin + self.max_initial
+        return mask
+
+
+class LogitRules:
+    """The rules of one decode configuration, in openai/transformers order."""
+
+    def __init__(self, rules: list):
+        self.rules = rules
+        self.timestamps = next((r for r in rules if isinstance(r, ApplyTimestampRules)), None)
+
+    @property
+    def needs_prefix_tensors(self) -> bool:
+        return self.timestamps is not None
+
+    @classmethod
+    def for_whisper(
+        cls,
+        vocab_size: int,
+        suppress_tokens,
+        begin_suppress_tokens,
+        eos_id: int,
+        no_timestamps_id: int,
+        timestamps: bool,
+        max_initial_timestamp_index: int | None = 50,
+        device="cpu",
+    ) -> "LogitRules":
+        def mask(ids):
+            m = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [i for i in (ids or []) if 0 <= i < vocab_size]
+            if ids:
+                m[torch.tensor(ids, device=device)] = True
+            return m
+
+        rules: list = []
+        if begin_suppress_tokens:
+            rules.append(SuppressAtBegin(mask(begin_suppress_tokens)))
+        if suppress_tokens:
+            rules.append(SuppressTokens(mask(suppress_tokens)))
+        if timestamps:
+            rules.append(ApplyTimestampRules(vocab_size, eos_id, no_timestamps_id, max_initial_timestamp_index, device))
+        return cls(rules)
+
+    def apply(self, logits: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+        """Apply in place to logits [R, V] (or [n, P, V] with P*n prefix rows) and return them."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        for rule in self.rules:
+            rule.apply(flat, prefix)
+        if flat.data_ptr() != logits.data_ptr() or not flat.is_contiguous():
+            logits.copy_(flat.view_as(logits))
+        return logits

@@ -1,0 +1,43 @@
+"""Every knob of the standalone engine, in one frozen dataclass passed from the CLI down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    # target model: "base", "tiny.en" (embedded, converted on first use) or a transformers Whisper directory
+    model: str = "base"
+    # drafter directory; None = the drafter shipped for the model if any, else untrained-from-target
+    drafter: str | None = None
+    # True: Whisper-Flash propose/verify/advance; False: plain greedy/sampling, one token per target call
+    speculative: bool = True
+    # candidates proposed per round (K); the drafter's own block size when a drafter is loaded
+    block_size: int = 8
+    # requests decoded together as one static batch
+    batch_size: int = 1
+    # 0 = greedy (argmax); > 0 = fixed-temperature sampling with speculative rejection sampling
+    temperature: float = 0.0
+    # seed of the sampling generator (one torch.Generator per decode call)
+    seed: int = 0
+    # emit Whisper timestamp tokens (timestamp logit rules on, <|notimestamps|> left out of the prompt)
+    timestamps: bool = False
+    # language code ("en", "de", ...) for multilingual models; None = detect per request
+    language: str | None = None
+    # "transcribe" or "translate" (multilingual models only)
+    task: str = "transcribe"
+    # generated-token budget per request, EOS included; None = up to the 448-position decoder window
+    max_new_tokens: int | None = None
+    # "auto" (cuda if available, else cpu), "cpu" or "cuda"
+    device: str = "auto"
+    # "auto" (cpu: float32, cuda: float16), "float32", "float16" or "bfloat16"
+    dtype: str = "auto"
+    # CUDA only: replay prefill / draft / verify through captured CUDA graphs
+    cuda_graphs: bool = True
+    # torch intra-op threads on CPU; None = leave torch's default
+    threads: int | None = None
+
+    def with_(self, **changes) -> "EngineOptions":
+        """A copy with some fields changed (the options object itself never changes)."""
+        return replace(self, **changes)

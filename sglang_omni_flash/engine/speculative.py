@@ -1,0 +1,305 @@
+"""The engine-agnostic Whisper-Flash loop: prefill, then rounds of propose -> verify -> accept -> advance.
+
+Words (as in `flash.accept`): the *anchor* is the latest emitted token, not yet seen by the target;
+*candidates* are the proposer's guesses after it; *accepted* is the prefix the target agrees with;
+the *correction* / *bonus* is the target's own next token, which becomes the next anchor.
+
+Invariant (paper A.1): before a round with anchor y_t at position t, the target cache and the
+drafter history hold exactly positions 0..t-1 of the request (prompt + emitted tokens before the
+anchor). One causal target pass over [anchor, c_1..c_k] at positions t..t+k gives row i = the
+target's token after c_1..c_i. With a candidates accepted the cache keeps t+1+a positions (rollback
+by length only: the rest stays allocated and masked) and the history keeps the states of the same
+positions, captured in that same pass; c_1..c_a and the correction/bonus are emitted (only c_1..c_a
+if c_a is EOS). With R output tokens left a request proposes at most R-1 candidates.
+
+Whisper's logit rules are applied at every position, in draft and verify alike, with the prefix of
+position i including the earlier candidates, so greedy output is the target's own greedy transcript
+token for token (with or without timestamps); with T > 0 the rejection rule keeps the target's
+sampling distribution.
+
+Two small protocols make the loop reusable: a `VerifyBackend` runs the target (the standalone
+transformers-weights engine here; an SGLang-Omni worker later), a `Proposer` makes candidates
+(the Whisper-Flash drafter, or oracle/random/adversarial proposers in tests). Without a proposer the
+same loop is the plain baseline: one token per target call, same kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
+from sglang_omni_flash.flash.accept import greedy_accept, probs_from_logits, sample_tokens, speculative_sample
+
+
+# ---------------------------------------------------------------------------------- protocols
+
+
+class VerifyBackend(Protocol):
+    """Runs the target over rows 0..n-1 of the active batch (rows are compacted, see `retire`)."""
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, want_history: bool):
+        """tokens, positions [n, T] -> (logits [n, T, V] raw, history states [n, T, n_hist, d] or None).
+
+        Writes the K/V of every new position into the cache (positions are each row's own; slots
+        past a row's committed length are free to overwrite). kv_len = 1 + the largest position."""
+        ...
+
+    def commit(self, lengths: list[int]) -> None:
+        """Row b now holds exactly positions 0..lengths[b]-1 (rollback by length)."""
+        ...
+
+    def retire(self, keep: torch.Tensor) -> None:
+        """Only rows `keep` (ascending) stay active; they move to rows 0..len(keep)-1."""
+        ...
+
+
+@dataclass
+class Proposal:
+    """Candidates of one round: raw drafter logits [n, K, V] (the loop applies the logit rules and
+    picks), or fixed tokens [n, K] (test proposers; treated as a deterministic draft when sampling)."""
+
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
+@dataclass
+class RoundInputs:
+    """What a proposer may read: the anchor of each row and the request's tokens so far."""
+
+    anchor: torch.Tensor  # [n] long
+    anchor_pos: torch.Tensor  # [n] long: position t of the anchor == history length
+    kv_len: int  # 1 + the largest anchor position (host int)
+    k: int  # candidates needed this round (<= block size)
+    request_ids: list[int]  # original request index of each row
+    generated: list[list[int]]  # per row: emitted tokens after the prompt (anchor last)
+
+
+class Proposer(Protocol):
+    block_size: int
+
+    def propose(self, inputs: RoundInputs) -> Proposal: ...
+
+    def observe(self, states: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """History states [n, T, n_hist, d] of a verify/prefill pass at positions [n, T]; only those
+        below each row's committed length count (the rest are overwritten later)."""
+        ...
+
+    def retire(self, keep: torch.Tensor) -> None: ...
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated token ids after the prompt, EOS included when reached
+    prompt: list[int] = field(default_factory=list)
+    text: str = ""
+    proposed: int = 0  # candidates proposed
+    accepted: int = 0  # candidates accepted
+    target_calls: int = 0  # target passes (prefill included)
+    first_accepts: int = 0  # rounds whose first candidate was accepted
+    rounds: int = 0  # rounds with at least one candidate
+    language: str | None = None
+
+
+@dataclass
+class _Row:
+    """Host-side state of one active request."""
+
+    rid: int
+    cache_len: int  # positions held by the target cache == anchor position
+    budget: int  # generated-token budget (EOS included)
+    generated: list[int]
+    last_timestamp: int = -1  # last timestamp token emitted (timestamp rules), -1 if none
+
+
+# --------------------------------------------------------------------------------------- loop
+
+
+class SpeculativeDecoder:
+    """Decodes one static batch: prefill, then rounds until every request finished."""
+
+    def __init__(
+        self,
+        backend: VerifyBackend,
+        proposer: Proposer | None,
+        rules: LogitRules,
+        eos_id: int,
+        timestamp_begin: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        device="cpu",
+    ):
+        self.backend = backend
+        self.proposer = proposer
+        self.rules = rules
+        self.eos_id = eos_id
+        self.timestamp_begin = timestamp_begin
+        self.temperature = temperature
+        self.generator = generator
+        self.device = device
+
+    # -- public -------------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], budgets: list[int], request_ids: list[int] | None = None) -> list[DecodeResult]:
+        """Decode requests with equal-length prompts; returns one result per request, in order.
+        `request_ids` (default 0..n-1) is what proposers see as `RoundInputs.request_ids`."""
+        results = [DecodeResult(tokens=[], prompt=list(p)) for p in prompts]
+        self.request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        rows = self.prefill(prompts, budgets, results)
+        while rows:
+            rows = self.round(rows, results)
+        return results
+
+    def prefill(self, prompts, budgets, results) -> list[_Row]:
+        """Process the prompts; the first generated token becomes the first anchor."""
+        n, p = len(prompts), len(prompts[0])
+        tokens = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        positions = torch.arange(p, device=self.device).expand(n, p)
+        logits, states = self.backend.verify(tokens, positions, p, want_history=self.proposer is not None)
+        last = logits[:, -1]
+        prefix = Prefix.from_tokens([[] for _ in range(n)], self.timestamp_begin, self.device)
+        first = self._pick(self.rules.apply(last, prefix)).tolist()
+        if self.proposer is not None:
+            self.proposer.observe(states, positions)
+        rows = [_Row(i, p, budgets[i], results[i].tokens) for i in range(n)]
+        self.backend.commit([p] * n)
+        for row, tok in zip(rows, first):
+            results[row.rid].target_calls += 1
+            self._emit(row, [tok])
+        return self._finish(rows)
+
+    def round(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
+        """One propose -> verify -> accept -> advance round (a plain step without a proposer)."""
+        block = self.proposer.block_size if self.proposer is not None else 0
+        num = [max(0, min(block, r.budget - len(r.generated) - 1)) for r in rows]
+        k = max(num)
+        if k == 0:
+            return self.step(rows, results)
+        n = len(rows)
+        anchor = torch.tensor([r.generated[-1] for r in rows], dtype=torch.long, device=self.device)
+        anchor_pos = torch.tensor([r.cache_len for r in rows], dtype=torch.long, device=self.device)
+        kv_len = max(r.cache_len for r in rows) + 1
+        inputs = RoundInputs(
+            anchor, anchor_pos, kv_len, k, [self.request_ids[r.rid] for r in rows], [r.generated for r in rows]
+        )
+        proposal = self.proposer.propose(inputs)
+
+        # propose: rules at every position, prefix including earlier candidates
+        sampling = self.temperature > 0
+        prefixes = [self._prefix(rows)]
+        draft_probs = None
+        if proposal.tokens is not None:  # fixed tokens (tests): taken as they are
+            candidates = proposal.tokens[:, :k].to(self.device)
+        elif not self.rules.needs_prefix_tensors:  # prefix-free rules: the whole block at once
+            draft = proposal.logits[:, :k]
+            first = prefixes[0]
+            self.rules.apply(draft, Prefix.lengths_only(first.min_length, first.max_length + k))
+            if sampling:
+                draft_probs = probs_from_logits(draft, self.temperature)
+                candidates = sample_tokens(draft_probs, self.generator)
+            else:
+                candidates = draft.argmax(-1)
+        else:  # timestamp rules: position j's prefix ends with candidate j-1
+            picks, probs = [], []
+            for j in range(k):
+                row = self.rules.apply(proposal.logits[:, j], prefixes[-1])
+                if sampling:
+                    probs.append(probs_from_logits(row, self.temperature))
+                    picks.append(sample_tokens(probs[-1], self.generator))
+                else:
+                    picks.append(row.argmax(-1))
+                prefixes.append(prefixes[-1].extend(picks[-1], self.timestamp_begin))
+            candidates = torch.stack(picks, 1)
+            draft_probs = torch.stack(probs, 1) if sampling else None
+        while len(prefixes) < k + 1:
+            prefixes.append(prefixes[-1].extend(candidates[:, len(prefixes) - 1], self.timestamp_begin))
+
+        # verify: one causal pass over [anchor, candidates]
+        tokens = torch.cat([anchor[:, None], candidates], 1)
+        positions = anchor_pos[:, None] + torch.arange(k + 1, device=self.device)
+        logits, states = self.backend.verify(tokens, positions, kv_len + k, want_history=True)
+        self.rules.apply(logits, Prefix.interleave(prefixes))
+
+        # accept
+        num_t = torch.tensor(num, dtype=torch.long, device=self.device)
+        if sampling:
+            target_probs = probs_from_logits(logits, self.temperature)
+            if draft_probs is None:  # fixed tokens: a deterministic (one-hot) draft
+                draft_probs = torch.zeros_like(target_probs[:, :k])
+                draft_probs.scatter_(2, candidates[..., None], 1.0)
+            res = speculative_sample(candidates, draft_probs, target_probs, num_t, self.eos_id, self.generator)
+        else:
+            res = greedy_accept(candidates, logits, num_t, self.eos_id)
+        accepted, next_token, eos_accepted = (x.tolist() for x in res)
+        cand = candidates.tolist()
+
+        # advance: keep anchor + accepted in cache and history, emit accepted + next anchor
+        self.proposer.observe(states, positions)
+        for i, row in enumerate(rows):
+            a = accepted[i]
+            out = results[row.rid]
+            out.target_calls += 1
+            out.rounds += 1
+            out.proposed += num[i]
+            out.accepted += a
+            out.first_accepts += int(a > 0)
+            row.cache_len += 1 + a
+            self._emit(row, cand[i][:a] if eos_accepted[i] else cand[i][:a] + [next_token[i]])
+        self.backend.commit([r.cache_len for r in rows])
+        return self._finish(rows)
+
+    def step(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
+        """The baseline: one target call, one token per request."""
+        anchor = torch.tensor([[r.generated[-1]] for r in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long, device=self.device)
+        kv_len = max(r.cache_len for r in rows) + 1
+        logits, states = self.backend.verify(anchor, positions, kv_len, want_history=self.proposer is not None)
+        nxt = self._pick(self.rules.apply(logits[:, 0], self._prefix(rows))).tolist()
+        if self.proposer is not None:
+            self.proposer.observe(states, positions)
+        for row, tok in zip(rows, nxt):
+            results[row.rid].target_calls += 1
+            row.cache_len += 1
+            self._emit(row, [tok])
+        self.backend.commit([r.cache_len for r in rows])
+        return self._finish(rows)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature > 0:
+            return sample_tokens(probs_from_logits(logits, self.temperature), self.generator)
+        return logits.argmax(-1)
+
+    def _prefix(self, rows: list[_Row]) -> Prefix:
+        lengths = [len(r.generated) for r in rows]
+        if not self.rules.needs_prefix_tensors:
+            return Prefix.lengths_only(min(lengths), max(lengths))
+        return Prefix.from_state(
+            lengths,
+            [r.generated[-1] if r.generated else -1 for r in rows],
+            [r.generated[-2] if len(r.generated) >= 2 else -1 for r in rows],
+            [r.last_timestamp for r in rows],
+            self.device,
+        )
+
+    def _emit(self, row: _Row, tokens: list[int]) -> None:
+        row.generated.extend(tokens)
+        for tok in tokens:
+            if tok >= self.timestamp_begin:
+                row.last_timestamp = tok
+
+    def _finish(self, rows: list[_Row]) -> list[_Row]:
+        """Drop finished rows (EOS emitted or budget spent) from the backend, proposer and loop."""
+        alive = [i for i, r in enumerate(rows) if r.generated[-1] != self.eos_id and len(r.generated) < r.budget]
+        if len(alive) == len(rows):
+            return rows
+        if alive:
+            keep = torch.tensor(alive, dtype=torch.long, device=self.device)
+            self.backend.retire(keep)
+            if self.proposer is not None:
+                self.proposer.retire(keep)
+        return [rows[i] for i in alive]

@@ -1,0 +1,144 @@
+"""A lean Whisper decoder over the transformers `WhisperForConditionalGeneration` weights.
+
+The math is transformers' (pre-LN blocks: self-attention, cross-attention, GELU FFN; learned
+positions; query scaled before the product; tied output head), written with torch SDPA over a static
+cache and explicit positions, so one call serves prefill (the prompt), a greedy step (1 token) and a
+Whisper-Flash verify pass (anchor + K candidates). It also returns the residual stream after the
+history layers, which the drafter reads as its history memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
+
+
+class _Layer:
+    """One decoder block's weights (views of the transformers parameters; q/k/v fused)."""
+
+    def __init__(self, layer):
+        sa, ca = layer.self_attn, layer.encoder_attn
+        self.ln1 = (layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, layer.self_attn_layer_norm.eps)
+        k_bias = torch.zeros_like(sa.q_proj.bias)  # Whisper's k_proj has no bias
+        self.qkv_w = torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0).detach()
+        self.qkv_b = torch.cat([sa.q_proj.bias, k_bias, sa.v_proj.bias], 0).detach()
+        self.o = (sa.out_proj.weight, sa.out_proj.bias)
+        self.ln2 = (layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias, layer.encoder_attn_layer_norm.eps)
+        self.cq = (ca.q_proj.weight, ca.q_proj.bias)
+        self.ck = ca.k_proj.weight
+        self.cv = (ca.v_proj.weight, ca.v_proj.bias)
+        self.co = (ca.out_proj.weight, ca.out_proj.bias)
+        self.ln3 = (layer.final_layer_norm.weight, layer.final_layer_norm.bias, layer.final_layer_norm.eps)
+        self.fc1 = (layer.fc1.weight, layer.fc1.bias)
+        self.fc2 = (layer.fc2.weight, layer.fc2.bias)
+
+
+def _ln(x, p):
+    return F.layer_norm(x, (x.shape[-1],), p[0], p[1], p[2])
+
+
+class WhisperTarget:
+    """The frozen target: encoder (transformers' own module) + a cache-explicit decoder forward."""
+
+    def __init__(self, model, history_layers: tuple[int, ...] = ()):
+        self.model = model
+        cfg = model.config
+        dec = model.model.decoder
+        self.d_model = cfg.d_model
+        self.heads = cfg.decoder_attention_heads
+        self.head_dim = cfg.d_model // cfg.decoder_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.num_layers = cfg.decoder_layers
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = cfg.max_target_positions
+        self.embed_scale = (cfg.d_model**0.5) if getattr(cfg, "scale_embedding", False) else 1.0
+        self.embed = dec.embed_tokens.weight
+        self.pos_embed = dec.embed_positions.weight
+        self.final_ln = (dec.layer_norm.weight, dec.layer_norm.bias, dec.layer_norm.eps)
+        self.head = model.proj_out.weight
+        self.layers = [_Layer(layer) for layer in dec.layers]
+        self.history_layers = tuple(history_layers)
+        self._history_slot = {layer: i for i, layer in enumerate(self.history_layers)}
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    # --- once per batch -------------------------------------------------------------------
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel [B, n_mels, 3000] -> encoder output [B, 1500, d]."""
+        return self.model.model.encoder(features.to(self.dtype)).last_hidden_state
+
+    def fill_cross(self, encoder_out: torch.Tensor, cross: CrossKV) -> None:
+        """Cross-attention K/V of every layer for rows 0..B-1, computed once."""
+        b, t, _ = encoder_out.shape
+        for i, lw in enumerate(self.layers):
+            k = F.linear(encoder_out, lw.ck).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            v = F.linear(encoder_out, *lw.cv).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            cross.k[i, :b].copy_(k)
+            cross.v[i, :b].copy_(v)
+
+    # --- every step -----------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        cross: CrossKV,
+        kv_len: int | None = None,
+        masked: bool = True,
+        last_only: bool = False,
+        history_out: torch.Tensor | None = None,
+    ):
+        """Run rows 0..n-1 over new tokens [n, T] at positions [n, T].
+
+        Each new row attends to its cache up to its own position (causal), and its K/V are written
+        into the cache at that position. `kv_len` limits attention to the first kv_len cache slots
+        (None: the whole static cache, as CUDA graphs need); `masked=False` is allowed when every
+        row's positions are the last kv_len-T..kv_len-1 slots (one token, equal lengths).
+        Returns logits [n, T, V] (or [n, 1, V] with last_only) and history [n, T, n_hist, d]
+        (written into `history_out[:n, :T]` when given).
+        """
+        n, t = tokens.shape
+        w = cache.max_len if kv_len is None else kv_len
+        pos_emb = self.pos_embed[positions.clamp(max=self.max_positions - 1)]
+        h = F.embedding(tokens, self.embed)
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        h = h + pos_emb
+        mask = None
+        if masked:
+            key_pos = torch.arange(w, device=tokens.device)
+            mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # [n, 1, T, w]
+        if history_out is None and self.history_layers:
+            history_out = torch.empty(n, t, len(self.history_layers), self.d_model, dtype=h.dtype, device=h.device)
+        for i, lw in enumerate(self.layers):
+            # self-attention over the cache (the new rows included)
+            x = _ln(h, lw.ln1)
+            qkv = F.linear(x, lw.qkv_w, lw.qkv_b).view(n, t, 3, self.heads, self.head_dim)
+            q = (qkv[:, :, 0] * self.scaling).transpose(1, 2)
+            k_all, v_all = cache.update(i, positions, qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
+            a = F.scaled_dot_product_attention(q, k_all[:, :, :w], v_all[:, :, :w], attn_mask=mask, scale=1.0)
+            h = h + F.linear(a.transpose(1, 2).reshape(n, t, self.d_model), *lw.o)
+            # cross-attention to the encoder output
+            x = _ln(h, lw.ln2)
+            q = (F.linear(x, *lw.cq) * self.scaling).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, cross.k[i, :n], cross.v[i, :n], scale=1.0)
+            h = h + F.linear(a.transpose(1, 2).reshape(n, t, self.d_model), *lw.co)
+            # feed-forward
+            x = _ln(h, lw.ln3)
+            h = h + F.linear(F.gelu(F.linear(x, *lw.fc1)), *lw.fc2)
+            slot = self._history_slot.get(i)
+            if slot is not None:
+                history_out[:n, :t, slot] = h
+        if last_only:
+            h = h[:, -1:]
+        logits = F.linear(_ln(h, self.final_ln), self.head)
+        history = history_out[:n, :t] if self.history_layers else None
+        return logits, history
+
+    def new_cache(self, batch: int, slack: int) -> KVCache:
+        return KVCache(self.num_layers, batch, self.heads, self.max_positions + slack, self.head_dim, self.dtype, self.device)
+
+    def new_cross(self, batch: int, enc_len: int) -> CrossKV:
+        return CrossKV(self.num_layers, batch, self.heads, enc_len, self.head_dim, self.dtype, self.device)

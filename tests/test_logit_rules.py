@@ -1,0 +1,117 @@
+"""Whisper's logit rules over verify blocks equal transformers' processors applied row by row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    WhisperTimeStampLogitsProcessor,
+)
+
+from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
+
+# a small vocabulary laid out like Whisper's: text < EOS < specials < notimestamps < timestamps
+V, EOS, NO_TS = 120, 50, 69
+TS_BEGIN = NO_TS + 1
+SUPPRESS = [3, 7, 51, 52, 53]
+BEGIN_SUPPRESS = [2, EOS]
+MAX_INITIAL = 5
+PROMPT = [51, 55, 56]  # sot, lang, task
+
+
+def hf_processors(timestamps: bool):
+    cfg = GenerationConfig(eos_token_id=EOS, no_timestamps_token_id=NO_TS, max_initial_timestamp_index=MAX_INITIAL)
+    procs = [SuppressTokensAtBeginLogitsProcessor(BEGIN_SUPPRESS, len(PROMPT)), SuppressTokensLogitsProcessor(SUPPRESS)]
+    if timestamps:
+        procs.append(WhisperTimeStampLogitsProcessor(cfg, begin_index=len(PROMPT)))
+    return procs
+
+
+def hf_apply(procs, generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+    ids = torch.tensor([PROMPT + generated])
+    scores = logits[None].clone()
+    for p in procs:
+        scores = p(ids, scores)
+    return scores[0]
+
+
+def ours(timestamps: bool) -> LogitRules:
+    return LogitRules.for_whisper(V, SUPPRESS, BEGIN_SUPPRESS, EOS, NO_TS, timestamps, MAX_INITIAL)
+
+
+def random_prefix(rng: random.Random, length: int) -> list[int]:
+    """Token sequences that follow (or deliberately break) the timestamp pairing."""
+    out, t = [], TS_BEGIN
+    for _ in range(length):
+        kind = rng.random()
+        if kind < 0.55:
+            out.append(rng.randrange(0, EOS))
+        elif kind < 0.9:
+            t = min(V - 1, t + rng.randrange(0, 4))
+            out.append(t)
+        else:
+            out.append(rng.randrange(TS_BEGIN, V))  # may go backwards: rules must still match
+    return out
+
+
+@pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
+def test_rules_match_transformers_row_by_row_over_a_verify_block(timestamps):
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    rules, procs = ours(timestamps), hf_processors(timestamps)
+    for trial in range(30):
+        n, k = 3, 5
+        emitted = [random_prefix(rng, rng.randrange(1, 8)) for _ in range(n)]
+        candidates = torch.tensor([random_prefix(rng, k) for _ in range(n)])
+        logits = torch.randn(n, k + 1, V) * 3
+        # make the timestamp-probability rule fire on some rows
+        logits[:, :, TS_BEGIN:] += torch.rand(n, k + 1, 1) * 4
+        prefixes = [Prefix.from_tokens(emitted, TS_BEGIN, "cpu")]
+        for j in range(k):
+            prefixes.append(prefixes[-1].extend(candidates[:, j], TS_BEGIN))
+        if not timestamps:
+            block = Prefix.lengths_only(min(map(len, emitted)), max(map(len, emitted)) + k)
+        else:
+            block = Prefix.interleave(prefixes)
+        got = rules.apply(logits.clone(), block)
+        for b in range(n):
+            for i in range(k + 1):
+                want = hf_apply(procs, emitted[b] + candidates[b, :i].tolist(), logits[b, i])
+                assert torch.equal(got[b, i], want), (trial, b, i)
+
+
+@pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
+def test_first_generated_position_gets_begin_suppress_and_initial_timestamp_limit(timestamps):
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    got = ours(timestamps).apply(logits.clone(), Prefix.from_tokens([[]] * 4, TS_BEGIN, "cpu"))
+    procs = hf_processors(timestamps)
+    for b in range(4):
+        assert torch.equal(got[b], hf_apply(procs, [], logits[b]))
+    assert torch.isinf(got[:, BEGIN_SUPPRESS]).all()
+    if timestamps:
+        allowed = torch.isfinite(got[0]).nonzero().flatten().tolist()
+        assert allowed and all(TS_BEGIN <= t <= TS_BEGIN + MAX_INITIAL for t in allowed)
+
+
+def test_mixed_first_and_later_rows_in_one_block():
+    torch.manual_seed(2)
+    rows = [[], [5, 6], [], [TS_BEGIN, 9]]
+    logits = torch.randn(4, V)
+    for timestamps in (False, True):
+        got = ours(timestamps).apply(logits.clone(), Prefix.from_tokens(rows, TS_BEGIN, "cpu"))
+        procs = hf_processors(timestamps)
+        for b, row in enumerate(rows):
+            assert torch.equal(got[b], hf_apply(procs, row, logits[b]))
+
+
+def test_suppressed_tokens_are_never_the_argmax():
+    logits = torch.zeros(2, 3, V)
+    logits[..., SUPPRESS[0]] = 100.0
+    out = ours(False).apply(logits, Prefix.lengths_only(1, 4))
+    assert (out.argmax(-1) != SUPPRESS[0]).all()
