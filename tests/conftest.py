@@ -44,3 +44,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def transformers_transcripts(model_dir: Path, clips, **generate_kwargs) -> dict[str, str]:
+    """transformers `generate()` text per clip id (fp32, SDPA, greedy): the servers' reference."""
+    import soundfile as sf
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    texts = {}
+    with torch.inference_mode():
+        for clip in clips:
+            audio, sr = sf.read(clip.audio, dtype="float32")
+            assert sr == 16000, clip.audio
+            features = processor(audio, sampling_rate=sr, return_tensors="pt").input_features
+            ids = model.generate(features, max_new_tokens=440, **generate_kwargs)
+            texts[clip.id] = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
+    return texts

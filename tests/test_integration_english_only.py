@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import requests
-import soundfile as sf
 
-from conftest import free_port
+from conftest import free_port, transformers_transcripts
 
 pytest.importorskip("sglang_omni")
 
@@ -46,19 +45,7 @@ def clips(test_clips):
 
 @pytest.fixture(scope="module")
 def reference_texts(tiny_en_model_dir, clips):
-    import torch
-    from transformers import WhisperForConditionalGeneration, WhisperProcessor
-
-    processor = WhisperProcessor.from_pretrained(tiny_en_model_dir)
-    model = WhisperForConditionalGeneration.from_pretrained(
-        tiny_en_model_dir, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
-    texts = {}
-    with torch.inference_mode():
-        for clip in clips:
-            audio, sr = sf.read(clip.audio, dtype="float32")
-            features = processor(audio, sampling_rate=sr, return_tensors="pt").input_features
-            ids = model.generate(features, max_new_tokens=440)
-            texts[clip.id] = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
+    texts = transformers_transcripts(tiny_en_model_dir, clips)
     assert all(texts.values())
     return texts
 

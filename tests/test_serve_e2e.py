@@ -7,15 +7,12 @@ the text must equal transformers `generate()` on the same audio (fp32, greedy, E
 from __future__ import annotations
 
 import json
-import time
 
-import numpy as np
 import pytest
 import requests
-import soundfile as sf
 
 from sglang_omni_flash.serving.launch import Server, ServeOptions, live_group_members
-from conftest import free_port
+from conftest import free_port, transformers_transcripts
 
 pytestmark = pytest.mark.server
 
@@ -35,21 +32,7 @@ def clips(test_clips):
 @pytest.fixture(scope="module")
 def reference_texts(base_model_dir, clips):
     """transformers generate() transcripts: the text the server must return."""
-    import torch
-    from transformers import WhisperForConditionalGeneration, WhisperProcessor
-
-    processor = WhisperProcessor.from_pretrained(base_model_dir)
-    model = WhisperForConditionalGeneration.from_pretrained(
-        base_model_dir, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
-    texts = {}
-    with torch.inference_mode():
-        for clip in clips:
-            audio, sr = sf.read(clip.audio, dtype="float32")
-            assert sr == 16000
-            features = processor(audio, sampling_rate=16000, return_tensors="pt").input_features
-            ids = model.generate(features, language="en", task="transcribe", max_new_tokens=440)
-            texts[clip.id] = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
-    return texts
+    return transformers_transcripts(base_model_dir, clips, language="en", task="transcribe")
 
 
 @pytest.fixture(scope="module")

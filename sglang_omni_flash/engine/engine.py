@@ -49,6 +49,24 @@ def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def capture_cuda_graph(fn, pool):
+    """Warm `fn` up on a side stream (as torch requires), then capture one replayable call.
+
+    Returns (graph, outputs of the captured call); the outputs are static tensors that each
+    replay overwrites.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 def _bucket(n: int) -> int:
     """CUDA graph batch buckets: 1, 2, 4, 8, 16, ..."""
     b = 1
@@ -157,15 +175,7 @@ class _GraphCache:
         def fwd():
             return tg.forward(tok, pos, be.cache, be.cross, kv_len=None, masked=True, history_out=be._history)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fwd()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, states = fwd()
+        graph, (logits, states) = capture_cuda_graph(fwd, self.pool)
         return graph, logits, states
 
 
@@ -249,16 +259,7 @@ class DrafterProposer:
         def fwd():
             return self.drafter(anchor, pos, hist, pos, acoustic)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fwd()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = fwd()
-        return graph, logits
+        return capture_cuda_graph(fwd, self._pool)
 
     def observe(self, states, positions) -> None:
         if not self.use_history or states is None:
