@@ -13,6 +13,10 @@ has no plugin entry points, so this module registers the plugin class itself:
 Without ``--asr.speculative`` the plugin class builds the stock stage factory with the
 stock kwargs, so replacing the default changes nothing for plain serving.
 ``register()`` is idempotent; ``_autoload`` calls it in every process (see its docstring).
+
+``install_openai_errors()`` is the second hook ``_autoload`` runs: when sglang-omni's HTTP
+module is imported, the apps it builds get the OpenAI error envelope and request
+validation of ``openai_errors`` on the audio endpoints.
 """
 
 from __future__ import annotations
@@ -41,3 +45,9 @@ def is_registered() -> bool:
     from sglang_omni_flash.integration.config import WhisperFlashASRPipelineConfig
 
     return PIPELINE_CONFIG_REGISTRY.configs.get(ARCHITECTURE) is WhisperFlashASRPipelineConfig
+
+
+def install_openai_errors() -> None:
+    from sglang_omni_flash.integration.openai_errors import install
+
+    install()
