@@ -83,7 +83,7 @@ class Target:
 
     name: str
     url: str | None = None
-    status: str = "pending"  # "up", "failed to start", "given"
+    status: str = "pending"  # "up", "failed to start", "given", "unreachable"
     error: str | None = None
     startup_s: float | None = None
     extra_args: tuple[str, ...] = ()
@@ -198,6 +198,16 @@ def start_target(target: Target, model: str, out_dir: Path, startup_timeout_s: f
     print(f"[{target.name}] healthy at {server.url} after {target.startup_s} s", file=sys.stderr)
 
 
+def check_given(target: Target) -> None:
+    try:
+        healthy = requests.get(target.url + "/health", timeout=10).status_code == 200
+    except requests.RequestException as exc:
+        healthy, target.error = False, f"{type(exc).__name__}: {exc}"
+    target.status = "given" if healthy else "unreachable"
+    if not healthy:
+        print(f"[{target.name}] {target.url}/health does not answer 200: left out", file=sys.stderr)
+
+
 def stop_target(target: Target) -> None:
     if target.server is not None:
         target.server.stop()
@@ -266,7 +276,7 @@ def warm_up(target: Target, clips: list[Utterance], options: BenchOptions) -> No
 def summarise(records: list[RequestRecord], wall_s: float, loads: list[tuple[float, float]],
               normalizer, references: dict[str, str], baseline: dict[tuple[int, str], str] | None) -> dict:
     ok = [r for r in records if r.error is None]
-    latencies = np.array([r.latency_s for r in ok]) if ok else np.array([np.nan])
+    latencies = np.array([r.latency_s for r in ok])
     audio_s = sum(r.duration for r in ok)
     identical = None
     if baseline is not None:
@@ -278,8 +288,8 @@ def summarise(records: list[RequestRecord], wall_s: float, loads: list[tuple[flo
         "audio_s": round(audio_s, 2),
         "req_per_s": round(len(ok) / wall_s, 4) if wall_s else None,
         "audio_s_per_s": round(audio_s / wall_s, 4) if wall_s else None,
-        "latency_mean_s": round(float(np.mean(latencies)), 4),
-        "latency_p95_s": round(float(np.percentile(latencies, 95)), 4),
+        "latency_mean_s": round(float(np.mean(latencies)), 4) if ok else None,
+        "latency_p95_s": round(float(np.percentile(latencies, 95)), 4) if ok else None,
         "rtf": round(float(np.mean([r.latency_s / r.duration for r in ok])), 4) if ok else None,
         "wer": corpus_wer(normalizer, [references[r.clip_id] for r in ok], [r.text for r in ok]),
         "identical_to_baseline": identical,
@@ -308,12 +318,12 @@ def markdown(result: dict) -> str:
              f"repeats: {result['options']['repeats']}, cache busting: {result['options']['cache_busting']}, "
              f"baseline: {result['baseline']}", ""]
     for target in servers:
-        if target["status"] == "failed to start":
+        if target["status"] in ("failed to start", "unreachable"):
             first = (target["error"] or "").splitlines()[0] if target["error"] else ""
-            lines.append(f"- **{target['name']}**: failed to start ({first})")
+            lines.append(f"- **{target['name']}**: {target['status']} ({first})")
     if lines[-1] != "":
         lines.append("")
-    names = [t["name"] for t in servers if t["status"] != "failed to start"]
+    names = [t["name"] for t in servers if t["status"] in ("up", "given")]
     others = [n for n in names if n != result["baseline"]]
     header = ["C", "server", "req/s", "audio s/s", "mean lat (s)", "p95 lat (s)", "RTF", "WER",
               "identical", "errors", "load 1m"]
@@ -327,6 +337,7 @@ def markdown(result: dict) -> str:
         load = "-" if not row["loadavg_1m"] else f"{row['loadavg_1m'][0]:.1f}-{row['loadavg_1m'][1]:.1f}"
         cells = [row["concurrency"], row["server"], row["req_per_s"], row["audio_s_per_s"], row["latency_mean_s"],
                  row["latency_p95_s"], row["rtf"], wer, ident, row["errors"], load]
+        cells = ["-" if c is None else c for c in cells]
         if others:
             cells += [row.get("speedup_audio_s_per_s", "-") or "-", row.get("speedup_latency_p95", "-") or "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -383,7 +394,7 @@ def run(options: BenchOptions, targets: list[Target], out_dir: Path, normalizer,
             if target.url is None:
                 start_target(target, model, out_dir, startup_timeout_s)
             else:
-                target.status = "given"
+                check_given(target)
         live = [t for t in targets if t.status in ("up", "given")]
         for target in live:
             warm_up(target, clips, options)
