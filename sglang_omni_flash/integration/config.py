@@ -35,6 +35,9 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     speculative_draft_model_path: str | None = None
     # Candidates proposed per round (the drafter's block size is the upper bound).
     speculative_num_draft_tokens: int = Field(default=8, ge=1, le=64)
+    # Propose candidates only while the drafter's probability of its token is at least this
+    # (0: always the full block). Changes the cost of a step, never the output.
+    speculative_min_draft_prob: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -66,6 +69,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative": self.speculative,
             "speculative_draft_model_path": self.speculative_draft_model_path,
             "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
+            "speculative_min_draft_prob": self.speculative_min_draft_prob,
         }
 
 

@@ -1,22 +1,32 @@
-"""``WhisperFlashEngineBuilder``: sglang-omni's Whisper ASR engine builder with the plugin's fixes.
+"""The plugin's Whisper ASR engine builders (subclasses of sglang-omni's ``WhisperASREngineBuilder``).
 
-Built by ``stages.create_whisper_flash_asr_executor`` only when the stock builder would do
-the wrong thing (today: ``.en`` checkpoints); multilingual checkpoints without
-``--asr.speculative`` go through sglang-omni's own factory untouched.
+* ``WhisperFlashEngineBuilder``      the stock builder with the ``.en`` prompt fix; built by
+  ``stages.create_whisper_flash_asr_executor`` only when the stock builder would do the wrong
+  thing (multilingual checkpoints without ``--asr.speculative`` use sglang-omni's factory).
+* ``WhisperFlashSpecEngineBuilder``  adds the Whisper-Flash decode worker
+  (``--asr.speculative whisper-flash``): loads the drafter before the KV pool is sized,
+  installs the history hooks and the encoder tee on the target, and swaps in
+  ``WhisperFlashModelRunner`` and a multi-token stream builder. Async decode is forced off
+  (its one-step lookahead cannot carry a variable number of tokens per step).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+from types import SimpleNamespace
 
 from sglang_omni.models.whisper_asr.config import WhisperASRFactoryArgs
 from sglang_omni.models.whisper_asr.engine_builder import WhisperASREngineBuilder
 from sglang_omni.models.whisper_asr.stages import create_sglang_whisper_asr_executor
 
+from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.integration.english_only import EnglishOnlyPrefix, is_english_only
 
 # Arguments of the stock factory that go to `.build(...)`; all others go to the builder.
 BUILD_ARGS = ("model_path", "device", "gpu_id", "dtype", "server_args_overrides")
+
+logger = logging.getLogger("sglang_omni_flash.spec")
 
 
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
@@ -31,11 +41,138 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
             self.tokenizer = real
 
 
-def build_executor(builder_cls: type[WhisperASREngineBuilder], model_path: str, **stock_kwargs):
+class TargetView:
+    """What the drafter checkpoint code reads of a transformers Whisper model, over sglang's model.
+
+    sglang's ``WhisperForConditionalGeneration`` ties the output head to the token embedding
+    (``lm_head is model.decoder.embed_tokens``) and has no ``get_output_embeddings``.
+    """
+
+    def __init__(self, model, dtype=None):
+        self.config = model.config
+        self.model = model.model
+        weight = model.lm_head.weight
+        if dtype is not None and dtype != weight.dtype:  # a detached copy, for a drafter in another dtype
+            weight = weight.detach().to(dtype)
+            embed = SimpleNamespace(weight=weight)
+            self.model = SimpleNamespace(decoder=SimpleNamespace(embed_tokens=embed))
+        self._head = SimpleNamespace(weight=weight, bias=None)
+
+    def get_output_embeddings(self):
+        return self._head
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls ~3x faster than fp32 there (measured: drafter head)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def drafter_dtype(target: TargetView):
+    """The drafter's dtype: the target's, except bf16 for an fp32 target on a CPU with fast bf16.
+
+    Drafts are only proposals (the target verifies every token in its own dtype), so the
+    drafter's precision changes the acceptance rate at most, never the output.
+    """
+    import torch
+
+    weight = target.model.decoder.embed_tokens.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return weight.dtype
+
+
+class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
+    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float = 0.0, **stock):
+        stock["enable_async_decode"] = False
+        super().__init__(**stock)
+        self.drafter_dir = str(drafter_dir)
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.min_draft_prob = float(min_draft_prob)
+        self.drafter = None
+        self.tap = None
+        self.runner = None
+        self.step_tokens: dict[str, list[int]] = {}  # shared by the runner and the stream builder
+
+    def adjust_overrides(self, overrides: dict[str, object]) -> None:
+        super().adjust_overrides(overrides)
+        page_size = int(overrides.get("page_size") or 1)
+        if page_size != 1:
+            raise UserError(f"--asr.speculative whisper-flash needs page_size 1 (rejected slots are freed "
+                            f"one by one), got engine.page_size={page_size}")
+        overrides["page_size"] = 1
+
+    def _load_drafter(self, model) -> None:
+        if self.drafter is not None:
+            return
+        from sglang_omni_flash.flash.checkpoint import load_drafter
+
+        target = TargetView(model)
+        dtype = drafter_dtype(target)
+        self.drafter = load_drafter(self.drafter_dir, target, dtype=dtype)
+        if dtype != target.model.decoder.embed_tokens.weight.dtype:
+            self.drafter.bind_target(TargetView(model, dtype=dtype))  # head/embedding copies in the drafter's dtype
+        self.drafter.requires_grad_(False)
+        logger.info("whisper-flash: drafter %s (%d parameters, %d draft tokens, history layers %s)",
+                    self.drafter_dir, self.drafter.num_parameters(), self.num_draft_tokens,
+                    self.drafter.config.history_layers)
+
+    def before_memory_pool(self, *, model_worker, **kwargs) -> None:
+        super().before_memory_pool(model_worker=model_worker, **kwargs)
+        model = getattr(model_worker.model_runner, "model", None)
+        if model is not None:
+            self._load_drafter(model)  # resident before the KV pool takes the rest of the memory
+
+    def setup_model(self, *, model_worker, **kwargs) -> None:
+        super().setup_model(model_worker=model_worker, **kwargs)
+        from sglang_omni_flash.integration.spec_runner import HistoryTap
+
+        model = model_worker.model_runner.model
+        self._load_drafter(model)
+        self.tap = HistoryTap(model, self.drafter.config.history_layers)
+
+    def make_model_runner(self, model_worker, output_proc):
+        from sglang_omni_flash.integration.spec_runner import WhisperFlashModelRunner
+
+        self.runner = WhisperFlashModelRunner(model_worker, output_proc, drafter=self.drafter, tap=self.tap,
+                                              num_draft_tokens=self.num_draft_tokens,
+                                              min_draft_prob=self.min_draft_prob)
+        self.runner.step_tokens = self.step_tokens
+        return self.runner
+
+    def extra_scheduler_kwargs(self):
+        from sglang_omni_flash.integration.streaming import MultiTokenStreamOutputBuilder
+
+        kwargs = dict(super().extra_scheduler_kwargs())
+        kwargs["stream_output_builder"] = MultiTokenStreamOutputBuilder(
+            self.tokenizer, self.stream_emit_interval_s, self.step_tokens)
+        kwargs["enable_async_decode"] = False
+        return kwargs
+
+    def make_abort_callback(self):
+        stock = super().make_abort_callback()
+        runner = self.runner
+
+        def on_abort(request_id: str) -> None:
+            if runner is not None:
+                runner.forget(request_id)
+            if stock is not None:
+                stock(request_id)
+
+        return on_abort
+
+
+def build_executor(builder_cls: type[WhisperASREngineBuilder], model_path: str, *,
+                   builder_kwargs: dict | None = None, **stock_kwargs):
     """What ``create_sglang_whisper_asr_executor(model_path, **stock_kwargs)`` does, with ``builder_cls``.
 
     The stock factory is a pass-through: its defaults are bound here from its own signature
-    (not copied), its build arguments go to ``build()`` and the rest to the builder.
+    (not copied), its build arguments go to ``build()`` and the rest (plus ``builder_kwargs``)
+    to the builder.
     """
     bound = inspect.signature(create_sglang_whisper_asr_executor).bind(model_path, **stock_kwargs)
     bound.apply_defaults()
@@ -43,4 +180,4 @@ def build_executor(builder_cls: type[WhisperASREngineBuilder], model_path: str, 
     build = {name: args.pop(name) for name in BUILD_ARGS}
     if args["encoder_attention_backend"] is None:
         args["encoder_attention_backend"] = WhisperASRFactoryArgs().encoder_attention_backend
-    return builder_cls(**args).build(build.pop("model_path"), **build)
+    return builder_cls(**args, **(builder_kwargs or {})).build(build.pop("model_path"), **build)

@@ -1,6 +1,9 @@
 """The ASR stage factory that ``WhisperFlashASRPipelineConfig`` points at.
 
-Without ``speculative`` and for multilingual checkpoints it is sglang-omni's
+With ``speculative="whisper-flash"`` it builds ``WhisperFlashSpecEngineBuilder`` (the
+Whisper-Flash decode worker) with the drafter ``drafter_source.resolve_drafter`` picks; a
+drafter that does not fit the target is refused here, before anything is loaded. Without
+``speculative`` and for multilingual checkpoints it is sglang-omni's
 ``create_sglang_whisper_asr_executor`` called with the very same kwargs. English-only
 (``.en``) checkpoints get the plugin builder, which fixes their prompt prefix
 (``english_only.py``). The stage worker imports this module by its dotted path
@@ -9,7 +12,6 @@ Without ``speculative`` and for multilingual checkpoints it is sglang-omni's
 
 from __future__ import annotations
 
-from sglang_omni_flash.errors import UserError
 
 
 def create_whisper_flash_asr_executor(
@@ -19,15 +21,19 @@ def create_whisper_flash_asr_executor(
     speculative: str | None = None,
     speculative_draft_model_path: str | None = None,
     speculative_num_draft_tokens: int = 8,
+    speculative_min_draft_prob: float = 0.0,
     **stock_kwargs,
 ):
     if speculative is not None:
         from sglang_omni_flash.integration.drafter_source import resolve_drafter
+        from sglang_omni_flash.integration.engine_builder import WhisperFlashSpecEngineBuilder, build_executor
 
         drafter_dir = resolve_drafter(model_path, speculative_draft_model_path)
-        raise UserError(
-            f"--asr.speculative {speculative} (drafter {drafter_dir}): the Whisper-Flash decode worker is not "
-            "part of this build yet; serve without --asr.speculative"
+        return build_executor(
+            WhisperFlashSpecEngineBuilder, model_path, gpu_id=gpu_id,
+            builder_kwargs={"drafter_dir": str(drafter_dir), "num_draft_tokens": speculative_num_draft_tokens,
+                            "min_draft_prob": speculative_min_draft_prob},
+            **stock_kwargs,
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
 

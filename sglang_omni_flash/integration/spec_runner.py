@@ -1,0 +1,469 @@
+"""The Whisper-Flash decode step inside sglang-omni's ASR stage (``WhisperFlashModelRunner``).
+
+sglang-omni's scheduler stays a plain, single-token scheduler: before each decode step it has
+allocated one KV slot per running request for the *anchor* (the latest emitted token, not yet
+seen by the target) and done ``seq_lens += 1``. ``custom_decode_forward`` then, per step:
+
+1. drafts k_i candidates per request with the drafter (k_i = min(K, R_i - 1) for R_i tokens
+   left; 0 for a request without drafter state),
+2. allocates k_i more slots per request and writes them into the request's ``req_to_token``
+   row after the anchor,
+3. verifies anchor + candidates of every request in ONE target pass (``verify.verify_forward``),
+4. accepts with the core's rules (``flash.accept``: greedy prefix, or rejection sampling at
+   T > 0), cut at the first accepted stop token,
+5. frees the slots of the rejected positions, commits the accepted candidates into sglang's
+   request/batch bookkeeping (``output_ids``, ``kv_*_len``, ``seq_lens*``) and appends the
+   history states of anchor + accepted positions to the drafter's cache,
+6. returns the target's next token (correction or bonus) as this step's sampled token, so the
+   scheduler's own result processing appends it, checks EOS / max_new_tokens and frees
+   finished requests exactly as in plain decoding.
+
+Invariant between steps: ``kv_allocated_len == kv_committed_len`` (sglang asserts it on every
+release path when no spec algorithm is configured) and the drafter history of a request holds
+exactly its committed decoder positions. A step the worker cannot speculate (timestamps /
+custom logit processors, logprobs, penalties, no free slots, no request with a draft) is the
+stock decode, with forward hooks on the history layers keeping the drafter cache in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from sglang_omni.model_runner.base import ModelRunner
+
+from sglang_omni_flash.flash.accept import greedy_accept, probs_from_logits, sample_tokens, speculative_sample
+from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
+
+logger = logging.getLogger("sglang_omni_flash.spec")
+
+
+class HistoryTap:
+    """Forward hooks on the target's history layers + a tee of the encoder states (both inert unless armed).
+
+    Armed around prefill (and around stock decode steps) so the drafter's history and acoustic
+    memories come from what the stage computes anyway.
+    """
+
+    def __init__(self, model, history_layers: tuple[int, ...]):
+        self.history_layers = history_layers
+        self.armed = False
+        self.states: dict[int, Tensor] = {}
+        self.encoder: list[Tensor] = []
+        layers = model.model.decoder.layers
+        for i in history_layers:
+            layers[i].register_forward_hook(self._hook(i))
+        inner = model.model
+        real = inner.cache_encoder_states
+
+        def cache_encoder_states(states, cache_loc):
+            if self.armed:
+                self.encoder.append(states)
+            return real(states, cache_loc)
+
+        inner.cache_encoder_states = cache_encoder_states  # instance attribute: this model only
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if self.armed:
+                self.states[index] = output
+        return hook
+
+    def arm(self) -> None:
+        self.states, self.encoder, self.armed = {}, [], True
+
+    def disarm(self) -> tuple[Tensor | None, list[Tensor]]:
+        """-> (history states [N, n_hist, d] or None if a hook did not fire, encoder chunks)."""
+        self.armed = False
+        states, encoder = self.states, self.encoder
+        self.states, self.encoder = {}, []
+        if any(i not in states for i in self.history_layers):
+            return None, encoder
+        return torch.stack([states[i] for i in self.history_layers], dim=-2), encoder
+
+
+@dataclass
+class SpecStats:
+    """Per-request acceptance: candidates proposed / accepted and target forward passes."""
+
+    proposed: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+
+    def line(self) -> str:
+        rate = self.accepted / self.proposed if self.proposed else 0.0
+        return (f"proposed={self.proposed} accepted={self.accepted} ({rate:.0%}) "
+                f"target_calls={self.target_calls}")
+
+
+@dataclass
+class DraftState:
+    """The drafter's memories of one request: history K/V by position, acoustic K/V once."""
+
+    hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
+    acoustic: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, T, hd]
+    length: int = 0  # valid history positions 0..length-1 (== committed decoder length)
+    skip: int = 0  # decode steps left without drafting (back-off after fruitless rounds)
+    backoff: int = 0  # length of the next back-off (doubles while drafts keep failing)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class _Plan:
+    """One request of a speculative step (host side)."""
+
+    index: int  # row in the batch
+    row: int  # req_to_token row (req_pool_idx)
+    state: DraftState | None
+    anchor: int
+    prefix_len: int  # L: anchor position
+    k: int  # candidates proposed
+    candidates: list[int] = field(default_factory=list)
+    draft_probs: Tensor | None = None  # [k, V] at T > 0
+    slots: Tensor | None = None  # [k] extra KV slots
+
+
+def _sampling_ok(req) -> bool:
+    """Sampling knobs the worker reproduces exactly (else the step is the stock decode)."""
+    sp = req.sampling_params
+    return (
+        req.custom_logit_processor is None
+        and not req.return_logprob
+        and getattr(req, "grammar", None) is None
+        and sp.repetition_penalty == 1.0
+        and sp.frequency_penalty == 0.0
+        and sp.presence_penalty == 0.0
+        and sp.min_new_tokens == 0
+        and (_temperature(req) == 0.0 or (sp.top_p >= 1.0 and sp.top_k in (-1, 1 << 30) and sp.min_p <= 0.0))
+        and not sp.stop_strs
+    )
+
+
+def _temperature(req) -> float:
+    """0 for greedy: sglang normalises temperature 0 to (temperature 1, top_k 1)."""
+    sp = req.sampling_params
+    return 0.0 if sp.top_k == 1 or sp.temperature < 1e-6 else float(sp.temperature)
+
+
+class WhisperFlashModelRunner(ModelRunner):
+    """sglang-omni's ASR model runner with Whisper-Flash speculative decode steps."""
+
+    def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, num_draft_tokens: int,
+                 min_draft_prob: float = 0.0, max_backoff: int = 8):
+        super().__init__(tp_worker, output_processor)
+        self.drafter = drafter
+        # Candidates are proposed while the drafter's probability of its own token is >= this
+        # (0: always k); a request whose round proposed or accepted nothing drafts again only
+        # after 1, 2, 4 .. max_backoff stock steps. Neither changes the output, only the cost.
+        self.min_draft_prob = float(min_draft_prob)
+        self.max_backoff = int(max_backoff)
+        self.tap = tap
+        self.k = min(int(num_draft_tokens), drafter.config.block_size)
+        cfg = drafter.config
+        self.max_positions = int(getattr(self.model.config, "max_target_positions", cfg.max_positions))
+        self.states: dict[str, DraftState] = {}
+        self.step_tokens: dict[str, list[int]] = {}  # rid -> tokens emitted this step (for streaming)
+        self.totals = SpecStats()
+        self.timing = {"draft": 0.0, "draft_steps": 0, "verify": 0.0, "accept": 0.0, "spec_steps": 0, "stock": 0.0, "stock_steps": 0}
+        self._stock_t0 = 0.0
+        self._plain_step = False
+        self._committed = False
+        self._prefill_capture: tuple[Tensor | None, list[Tensor]] = (None, [])
+        p = next(drafter.parameters())
+        self._device, self._dtype = p.device, p.dtype
+
+    # ------------------------------------------------------------------ lifecycle of the state
+
+    def lookahead_eligible(self, batch) -> bool:
+        return False  # a step commits a variable number of tokens: no one-step lookahead
+
+    def forget(self, rid: str) -> None:
+        """Drop a request's drafter state (abort / disconnect / finish)."""
+        state = self.states.pop(rid, None)
+        self.step_tokens.pop(rid, None)
+        if state is not None and state.stats.target_calls:
+            logger.info("whisper-flash %s: %s", rid, state.stats.line())
+
+    def on_request_finished(self, request_id, req_data) -> None:
+        self.forget(request_id)
+
+    def _new_state(self, history: Tensor, encoder_out: Tensor) -> DraftState:
+        """history [P, n_hist, d] at positions 0..P-1, encoder_out [T, d]."""
+        d = self.drafter
+        cfg = d.config
+        hist = []
+        for _ in range(cfg.n_layers):
+            z = torch.zeros(1, cfg.n_heads, self.max_positions, cfg.head_dim, device=self._device, dtype=self._dtype)
+            hist.append((z, z.clone()))
+        state = DraftState(hist=hist, acoustic=d.acoustic_kv(encoder_out[None].to(self._dtype)))
+        self._append_history(state, history, 0)
+        return state
+
+    def _append_history(self, state: DraftState, history: Tensor, start: int) -> None:
+        """Write history states [n, n_hist, d] at positions start..start+n-1; length = start + n."""
+        n = history.shape[0]
+        if n:
+            positions = torch.arange(start, start + n, device=self._device)[None]
+            projected = self.drafter.project_history(history[None].to(self._device))
+            for (hk, hv), (k, v) in zip(state.hist, self.drafter.history_kv(projected, positions)):
+                hk[:, :, start:start + n] = k
+                hv[:, :, start:start + n] = v
+        state.length = start + n
+
+    # ------------------------------------------------------------------------------ prefill
+
+    def before_prefill(self, forward_batch, schedule_batch, requests) -> None:
+        self.tap.arm()
+
+    def cleanup_prefill(self, forward_batch, schedule_batch, requests) -> None:
+        # runs right after the forward (also on failure), before post_prefill
+        self._prefill_capture = self.tap.disarm()
+
+    def post_prefill(self, result, forward_batch, schedule_batch, requests) -> None:
+        states, encoder = self._prefill_capture
+        self._prefill_capture = (None, [])
+        reqs = schedule_batch.reqs
+        for req in reqs:
+            self.forget(req.rid)  # (re-)prefill starts the request's drafter state afresh
+        if states is None or forward_batch is None:
+            return
+        encoder_flat = torch.cat(encoder) if encoder else None
+        extend = list(forward_batch.extend_seq_lens_cpu)
+        prefix = list(forward_batch.extend_prefix_lens_cpu)
+        enc_lens = list(schedule_batch.encoder_lens_cpu or [0] * len(reqs))
+        cached = list(forward_batch.encoder_cached or [True] * len(reqs))
+        if sum(extend) != states.shape[0]:
+            logger.warning("whisper-flash: prefill states %s do not match extend lengths %s; "
+                           "these requests decode without drafts", tuple(states.shape), extend)
+            return
+        row = enc_row = 0
+        with torch.inference_mode():
+            for i, req in enumerate(reqs):
+                n, enc = extend[i], enc_lens[i]
+                encoder_out = None
+                if not cached[i] and encoder_flat is not None and enc_row + enc <= encoder_flat.shape[0]:
+                    encoder_out = encoder_flat[enc_row: enc_row + enc]
+                    enc_row += enc
+                if encoder_out is not None and prefix[i] == 0 and n > 0:
+                    state = self._new_state(states[row: row + n], encoder_out)
+                    state.stats.target_calls = 1
+                    self.states[req.rid] = state
+                row += n
+
+    # ------------------------------------------------------------------------------- decode
+
+    def custom_decode_forward(self, forward_batch, schedule_batch, requests):
+        reqs = schedule_batch.reqs
+        live = {req.rid for req in reqs}
+        for rid in [r for r in self.states if r not in live]:
+            self.forget(rid)  # left the batch without a finish callback (abort, retraction)
+        self.step_tokens.clear()
+        if not all(_sampling_ok(req) for req in reqs):
+            return self._stock_step()
+
+        anchors = forward_batch.input_ids.tolist()
+        seq_lens = schedule_batch.seq_lens_cpu.tolist()
+        pool_rows = schedule_batch.req_pool_indices.tolist()
+        plans = []
+        for i, req in enumerate(reqs):
+            state = self.states.get(req.rid)
+            L = int(seq_lens[i]) - 1
+            if state is not None and state.length != L:
+                self.forget(req.rid)
+                state = None
+            budget = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+            k = max(0, min(self.k, budget, self.max_positions - 1 - L)) if state is not None else 0
+            if k and state.skip > 0:
+                state.skip -= 1
+                k = 0
+            plans.append(_Plan(index=i, row=int(pool_rows[i]), state=state, anchor=int(anchors[i]), prefix_len=L, k=k))
+        if not any(p.k for p in plans):
+            return self._stock_step()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self._draft(plans, schedule_batch)  # may shorten p.k (confidence cut)
+            self.timing["draft"] += time.perf_counter() - t0
+            self.timing["draft_steps"] += 1
+        n_extra = sum(p.k for p in plans)
+        allocator = schedule_batch.token_to_kv_pool_allocator
+        extra = allocator.alloc(n_extra) if n_extra else None
+        if extra is None:
+            return self._stock_step()
+        try:
+            with torch.inference_mode():
+                return self._speculate(plans, extra, schedule_batch)
+        except BaseException:
+            if not self._committed:
+                allocator.free(extra)  # nothing of this step reached sglang's bookkeeping
+            raise
+
+    def _bias(self, schedule_batch, i: int) -> Tensor | None:
+        bias = schedule_batch.sampling_info.logit_bias
+        return None if bias is None else bias[i]
+
+    def _back_off(self, state: DraftState) -> None:
+        state.backoff = min(self.max_backoff, max(1, 2 * state.backoff))
+        state.skip = state.backoff
+
+    def _draft(self, plans: list[_Plan], schedule_batch) -> None:
+        """Candidates (and q at T > 0) per request; k cut where the drafter's confidence drops."""
+        reqs = schedule_batch.reqs
+        for p in plans:
+            if p.k == 0:
+                continue
+            req, st = reqs[p.index], p.state
+            hist = [(k[:, :, : p.prefix_len], v[:, :, : p.prefix_len]) for k, v in st.hist]
+            pos = torch.tensor([p.prefix_len], device=self._device)
+            anchor = torch.tensor([p.anchor], device=self._device)
+            logits = self.drafter(anchor, pos, hist, pos, st.acoustic)[0, : p.k].float()  # [k, V]
+            bias = self._bias(schedule_batch, p.index)
+            if bias is not None:
+                logits = logits + bias.to(logits.device, logits.dtype)
+            temperature = _temperature(req)
+            if temperature > 0:
+                p.draft_probs = probs_from_logits(logits, temperature)
+                cands = sample_tokens(p.draft_probs)
+                conf = p.draft_probs.gather(1, cands[:, None])[:, 0]
+            else:
+                conf, cands = torch.softmax(logits, dim=-1).max(dim=-1)
+            if self.min_draft_prob > 0:
+                p.k = int((conf >= self.min_draft_prob).long().cumprod(0).sum())
+            p.candidates = cands[: p.k].tolist()
+            if p.draft_probs is not None:
+                p.draft_probs = p.draft_probs[: p.k]
+            if p.k == 0:
+                self._back_off(st)
+
+    def _speculate(self, plans: list[_Plan], extra: Tensor, schedule_batch):
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        self._committed = False
+        reqs = schedule_batch.reqs
+        req_to_token = schedule_batch.req_to_token_pool.req_to_token
+        enc_lens = list(schedule_batch.encoder_lens_cpu)
+
+        # 2. place the candidates' slots after the anchor
+        start = 0
+        for p in plans:
+            if p.k:
+                p.slots = extra[start: start + p.k]
+                start += p.k
+                pos0 = enc_lens[p.index] + p.prefix_len + 1
+                req_to_token[p.row, pos0: pos0 + p.k] = p.slots.to(req_to_token.dtype)
+
+        # 3. one target pass over anchor + candidates of every request
+        t1 = time.perf_counter()
+        rows = [VerifyRow(row=p.row, encoder_len=enc_lens[p.index],
+                          prefix_len=p.prefix_len, tokens=(p.anchor, *p.candidates)) for p in plans]
+        out = verify_forward(self.model, self.tp_worker.model_runner.token_to_kv_pool, req_to_token, rows,
+                             self.drafter.config.history_layers)
+
+        # 4-5. accept, free the rejected slots, commit
+        t2 = time.perf_counter()
+        self._committed = True
+        allocator = schedule_batch.token_to_kv_pool_allocator
+        next_tokens, grown = [], []
+        for p in plans:
+            req = reqs[p.index]
+            lo, hi = out.offsets[p.index], out.offsets[p.index + 1]
+            logits = out.logits[lo:hi].float()  # [k+1, V]
+            bias = self._bias(schedule_batch, p.index)
+            if bias is not None:
+                logits = logits + bias.to(logits.device, logits.dtype)
+            cands = torch.tensor([p.candidates], dtype=torch.long, device=logits.device).view(1, p.k)
+            n_prop = torch.tensor([p.k], device=logits.device)
+            temperature = _temperature(req)
+            if temperature > 0:
+                q = p.draft_probs[None] if p.k else torch.zeros(1, 0, logits.shape[-1], device=logits.device)
+                res = speculative_sample(cands, q, probs_from_logits(logits, temperature)[None], n_prop, eos_id=-1)
+            else:
+                res = greedy_accept(cands, logits[None], n_prop, eos_id=-1)
+            a, nxt = int(res.accepted[0]), int(res.next_token[0])
+            stops = set(req.sampling_params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+            for j in range(a):
+                if p.candidates[j] in stops:  # an accepted stop token ends the run; it is the step's token
+                    a, nxt = j, p.candidates[j]
+                    break
+            if p.k:
+                allocator.free(p.slots[a:])
+            accepted = p.candidates[:a]
+            req.output_ids.extend(accepted)
+            req.kv.kv_committed_len += a
+            req.kv.kv_allocated_len += a
+            grown.append(a)
+            next_tokens.append(nxt)
+            self.step_tokens[req.rid] = [*accepted, nxt]
+            if p.state is not None:
+                self._append_history(p.state, out.history[lo: lo + a + 1], p.prefix_len)
+                if p.k and a == 0:
+                    self._back_off(p.state)
+                elif a:
+                    p.state.backoff = 0
+                p.state.stats.proposed += p.k
+                p.state.stats.accepted += a
+                p.state.stats.target_calls += 1
+            self.totals.proposed += p.k
+            self.totals.accepted += a
+        self.totals.target_calls += 1
+        t3 = time.perf_counter()
+        timing = self.timing
+        timing["verify"] += t2 - t1
+        timing["accept"] += t3 - t2
+        timing["spec_steps"] += 1
+        if timing["spec_steps"] % 50 == 0:
+            self.log_timing()
+
+        delta_cpu = torch.tensor(grown, dtype=schedule_batch.seq_lens_cpu.dtype)
+        schedule_batch.seq_lens = schedule_batch.seq_lens + delta_cpu.to(schedule_batch.seq_lens.device)
+        schedule_batch.seq_lens_cpu = schedule_batch.seq_lens_cpu + delta_cpu
+        if schedule_batch.orig_seq_lens is not None:
+            schedule_batch.orig_seq_lens = schedule_batch.orig_seq_lens + delta_cpu.to(
+                schedule_batch.orig_seq_lens.device, schedule_batch.orig_seq_lens.dtype)
+        schedule_batch.seq_lens_sum = None
+
+        device = schedule_batch.input_ids.device if schedule_batch.input_ids is not None else self._device
+        return GenerationBatchResult(
+            logits_output=LogitsProcessorOutput(next_token_logits=None),
+            next_token_ids=torch.tensor(next_tokens, dtype=torch.long, device=device),
+            can_run_cuda_graph=False,
+        )
+
+    def log_timing(self) -> None:
+        t = self.timing
+        per = lambda key, n: 1000 * t[key] / max(1, t[n])  # noqa: E731
+        logger.info("whisper-flash steps: %d speculative (draft %.1f ms, verify %.1f ms, accept %.1f ms per step), "
+                    "%d stock (%.1f ms per step); totals %s", t["spec_steps"], per("draft", "draft_steps"),
+                    per("verify", "spec_steps"), per("accept", "spec_steps"), t["stock_steps"],
+                    per("stock", "stock_steps"), self.totals.line())
+
+    def _stock_step(self):
+        """The stock decode forward, with the history hooks armed (see post_decode)."""
+        self._stock_t0 = time.perf_counter()
+        self._plain_step = True
+        self.tap.arm()
+        return None
+
+    def post_decode(self, result, forward_batch, schedule_batch, requests) -> None:
+        if not self._plain_step:
+            return
+        self._plain_step = False
+        self.timing["stock"] += time.perf_counter() - self._stock_t0
+        self.timing["stock_steps"] += 1
+        states, _ = self.tap.disarm()
+        seq_lens = schedule_batch.seq_lens_cpu.tolist()
+        for i, req in enumerate(schedule_batch.reqs):
+            state = self.states.get(req.rid)
+            if state is None:
+                continue
+            L = int(seq_lens[i]) - 1
+            state.stats.target_calls += 1
+            if states is None or states.shape[0] != len(schedule_batch.reqs) or state.length != L:
+                self.forget(req.rid)  # hooks did not fire (a graph replay): no more drafts for it
+                continue
+            with torch.inference_mode():
+                self._append_history(state, states[i: i + 1], L)

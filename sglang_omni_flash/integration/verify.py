@@ -1,0 +1,117 @@
+"""The verify pass: one target forward over [anchor, c_1..c_k] of every running request.
+
+sglang's torch-native attention computes an EXTEND request with ``prefix + new`` query rows
+(it pads the queries to the whole sequence and runs a causal SDPA over it), so a verify of
+9 new rows after a 100-token transcript pays for 109 rows in every self- and cross-attention
+layer. This pass runs the target's own decoder modules (same weights, same K/V pool) and
+attends with exactly the new rows:
+
+* self-attention   the new K/V are written to their slots in the paged pool first, then each
+                   request's query rows attend to ``req_to_token[row, enc : enc + L + n]``
+                   (prefix and new slots) with a causal mask offset by the prefix length L;
+* cross-attention  the query rows attend to the request's cached encoder K/V,
+                   ``req_to_token[row, 0 : enc]`` in the cross layer planes (written at prefill).
+
+It also returns the residual stream after the drafter's history layers (before the final
+layer norm), so no hooks are needed on this path. Pure torch over sglang's pool tensors:
+it runs on any device, but on CUDA the stage's own attention kernels would be faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One request of a verify pass."""
+
+    row: int  # req_to_token row (req_pool_idx)
+    encoder_len: int  # encoder slots at the start of the row (1500 for Whisper)
+    prefix_len: int  # L: decoder positions already in the cache (the anchor's position)
+    tokens: tuple[int, ...]  # [anchor, c_1..c_k]; their slots are at row positions enc+L .. enc+L+k
+
+
+@dataclass
+class VerifyOutput:
+    logits: Tensor  # [sum(n_i), V] raw target logits, rows in request order
+    history: Tensor  # [sum(n_i), n_hist, d] residual stream after the history layers
+    offsets: list[int]  # start row of each request in the flat outputs
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """q [n, H, hd], k/v [S, H, hd] -> [n, H*hd]."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+        attn_mask=mask, scale=scale,
+    )
+    return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@torch.inference_mode()
+def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
+                   history_layers: tuple[int, ...]) -> VerifyOutput:
+    """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool)."""
+    decoder = model.model.decoder
+    device = decoder.embed_tokens.weight.device
+    lengths = [len(r.tokens) for r in rows]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=device)
+    positions = torch.tensor(
+        [r.prefix_len + j for r in rows for j in range(len(r.tokens))], dtype=torch.long, device=device
+    )
+    # slots of the new positions, the self-attention K/V of the whole sequence, the encoder K/V
+    table = [req_to_token[r.row] for r in rows]
+    new_slots = torch.cat([
+        t[r.encoder_len + r.prefix_len: r.encoder_len + r.prefix_len + n] for t, r, n in zip(table, rows, lengths)
+    ]).long()
+    self_slots = [t[r.encoder_len: r.encoder_len + r.prefix_len + n].long() for t, r, n in zip(table, rows, lengths)]
+    cross_slots = [t[: r.encoder_len].long() for t, r in zip(table, rows)]
+    causal = [
+        torch.arange(r.prefix_len + n, device=device)[None, :]
+        <= (r.prefix_len + torch.arange(n, device=device))[:, None]
+        for r, n in zip(rows, lengths)
+    ]
+
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    h = decoder.embed_input_ids(ids, positions)
+    captured: dict[int, Tensor] = {}
+    for index, layer in enumerate(decoder.layers):
+        sa = layer.self_attn
+        heads, hd = sa.num_heads, sa.head_dim
+        x = layer.self_attn_layer_norm(h)
+        q, k, v = sa.qkv_proj(x).chunk(3, dim=-1)
+        q = q.reshape(-1, heads, hd)
+        kv_pool.set_kv_buffer(sa.attn, KVWriteLoc(new_slots), k.reshape(-1, heads, hd), v.reshape(-1, heads, hd))
+        kbuf, vbuf = kv_pool.get_key_buffer(sa.attn.layer_id), kv_pool.get_value_buffer(sa.attn.layer_id)
+        o = torch.cat([
+            _attend(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], causal[i], sa.scaling)
+            for i, slots in enumerate(self_slots)
+        ])
+        h = h + sa.out_proj(o)
+
+        ca = layer.encoder_attn
+        x = layer.encoder_attn_layer_norm(h)
+        q = ca.q_proj(x).reshape(-1, ca.num_heads, ca.head_dim)
+        kbuf, vbuf = kv_pool.get_key_buffer(ca.attn.layer_id), kv_pool.get_value_buffer(ca.attn.layer_id)
+        o = torch.cat([
+            _attend(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], None, ca.scaling)
+            for i, slots in enumerate(cross_slots)
+        ])
+        h = h + ca.out_proj(o)
+
+        x = layer.final_layer_norm(h)
+        h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        if index in history_layers:
+            captured[index] = h
+    hidden = decoder.layer_norm(h)
+    logits = F.linear(hidden, model.lm_head.weight)
+    history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
+    return VerifyOutput(logits=logits, history=history, offsets=offsets)
