@@ -293,7 +293,7 @@ def summarise(records: list[RequestRecord], wall_s: float, loads: list[tuple[flo
         "rtf": round(float(np.mean([r.latency_s / r.duration for r in ok])), 4) if ok else None,
         "wer": corpus_wer(normalizer, [references[r.clip_id] for r in ok], [r.text for r in ok]),
         "identical_to_baseline": identical,
-        "loadavg_1m": [round(min(l[0] for l in loads), 2), round(max(l[1] for l in loads), 2)] if loads else None,
+        "loadavg_1m": [round(loads[0][0], 2), round(loads[-1][1], 2)] if loads else None,  # first start, last end
     }
 
 
