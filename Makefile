@@ -1,6 +1,7 @@
 # sglang-omni-flash: the two commands are `make serve` and `make test`; both do all set-up.
 #
-#   make serve [PORT=8000] [MODEL=base|tiny.en|DIR] [ARGS="extra sgl-omni serve flags"]
+#   make serve [PORT=8000] [MODEL=base|tiny.en|DIR] [SPECULATIVE=auto|1|0] [ARGS="extra sgl-omni serve flags"]
+#              SPECULATIVE: auto (default) = Whisper-Flash when a shipped drafter fits MODEL, 1 = required, 0 = plain
 #   make test  [PYTEST_ARGS=...]
 #
 # Set-up (idempotent, fast when nothing changed): Debian packages from configs/apt.txt,
@@ -17,6 +18,7 @@ BIN    := $(VENV)/bin
 PORT   ?= 8000
 MODEL  ?= base
 ARGS   ?=
+SPECULATIVE ?= auto
 PYTEST_ARGS ?=
 
 # GPU machines get sglang's GPU kernels (flashinfer, ...); CPU machines the trimmed set.
@@ -61,7 +63,8 @@ test-audio: setup
 
 serve: setup
 	@case "$(MODEL)" in base|tiny.en) $(BIN)/whisper-flash models fetch $(MODEL) >/dev/null ;; esac
-	$(BIN)/whisper-flash serve --model $(MODEL) --port $(PORT) -- $(ARGS)
+	$(BIN)/whisper-flash serve --model $(MODEL) --port $(PORT) \
+	  --speculative $(if $(filter 0 off no,$(SPECULATIVE)),off,$(if $(filter 1 on yes,$(SPECULATIVE)),on,auto)) -- $(ARGS)
 
 test: setup models test-audio
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

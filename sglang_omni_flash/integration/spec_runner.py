@@ -181,15 +181,24 @@ class WhisperFlashModelRunner(ModelRunner):
     def lookahead_eligible(self, batch) -> bool:
         return False  # a step commits a variable number of tokens: no one-step lookahead
 
-    def forget(self, rid: str) -> None:
-        """Drop a request's drafter state (abort / disconnect / finish)."""
+    def forget(self, rid: str, output_ids: list[int] | None = None) -> None:
+        """Drop a request's drafter state (finish / abort / disconnect) and log its acceptance.
+
+        The line also carries the KV pool's free slots after the release (an idle server must
+        always show the same number) and, for finished requests, the output token ids.
+        """
         state = self.states.pop(rid, None)
         self.step_tokens.pop(rid, None)
-        if state is not None and state.stats.target_calls:
-            logger.info("whisper-flash %s: %s", rid, state.stats.line())
+        if state is None and output_ids is None:
+            return
+        stats = state.stats if state is not None else SpecStats()
+        free = self.tp_worker.model_runner.token_to_kv_pool_allocator.available_size()
+        ids = "" if output_ids is None else f" ids={list(output_ids)}"
+        logger.info("whisper-flash %s: %s kv_free=%d%s", rid, stats.line(), free, ids)
 
     def on_request_finished(self, request_id, req_data) -> None:
-        self.forget(request_id)
+        req = getattr(req_data, "req", None)
+        self.forget(request_id, None if req is None else list(req.output_ids))
 
     def _new_state(self, history: Tensor, encoder_out: Tensor) -> DraftState:
         """history [P, n_hist, d] at positions 0..P-1, encoder_out [T, d]."""

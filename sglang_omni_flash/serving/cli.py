@@ -24,6 +24,10 @@ def register(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the ASR stage on CPU")
+    parser.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
+                        help="Whisper-Flash speculative decoding: auto (default) = on when a shipped drafter "
+                        "fits the model, on = required, off = plain sglang-omni decoding")
+    parser.add_argument("--draft-model", default=None, help="drafter checkpoint directory (implies --speculative on)")
     parser.add_argument("sgl_args", nargs=argparse.REMAINDER, help="-- then extra `sgl-omni serve` flags")
     parser.set_defaults(func=run)
 
@@ -35,12 +39,14 @@ def run(args: argparse.Namespace) -> int:
     if extra and extra[0] == "--":
         extra = extra[1:]
     options = ServeOptions(model=args.model, host=args.host, port=args.port, device=args.device,
-                           extra_args=tuple(extra), cpu_threads=args.cpu_threads)
+                           extra_args=tuple(extra), cpu_threads=args.cpu_threads,
+                           speculative=args.speculative, draft_model=args.draft_model)
     server = Server(options)
     plan = server.plan
     print(f"[whisper-flash] model: {plan.model_dir}", file=sys.stderr)
     print(f"[whisper-flash] {'CPU mode (configs/cpu.yaml, libcuda stub)' if plan.on_cpu else 'CUDA mode (sglang-omni defaults)'}",
           file=sys.stderr)
+    print(f"[whisper-flash] {plan.note}", file=sys.stderr)
     print(f"[whisper-flash] $ {' '.join(plan.argv)}", file=sys.stderr)
 
     # Ctrl-C reaches us (the server runs in its own session); stop the group cleanly.

@@ -40,6 +40,11 @@ class ServeOptions:
     log_file: Path | None = None  # server output goes here (else: inherited stdout/stderr)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
     startup_timeout_s: float = 600.0
+    # Whisper-Flash speculative decoding in the ASR stage (--asr.speculative whisper-flash):
+    # "auto" = on when a shipped drafter fits the model (or draft_model is given), "on" = on or
+    # a start-up error naming what to pass, "off" = plain sglang-omni decoding.
+    speculative: Literal["auto", "on", "off"] = "off"
+    draft_model: str | None = None  # drafter checkpoint directory (default: the shipped one that fits)
 
 
 @dataclass
@@ -49,6 +54,27 @@ class LaunchPlan:
     on_cpu: bool
     model_dir: Path
     config_file: Path | None = field(default=None)
+    speculative: bool = False
+    drafter: Path | None = None  # the drafter the stage will load (when speculative)
+    note: str = ""  # why speculation is on / off (for the CLI to print)
+
+
+def speculative_args(options: ServeOptions, model_dir: Path) -> tuple[list[str], Path | None, str]:
+    """The `--asr.speculative*` flags for `options`: (argv, drafter dir, reason)."""
+    if any(arg.startswith("--asr.speculative") for arg in options.extra_args):
+        return [], None, "speculation as given in the extra sgl-omni arguments"
+    if options.speculative == "off":
+        return [], None, "plain decoding (speculation off)"
+    from sglang_omni_flash.integration.drafter_source import resolve_drafter
+
+    try:
+        drafter = resolve_drafter(str(model_dir), options.draft_model)
+    except UserError as exc:
+        if options.speculative == "on" or options.draft_model is not None:
+            raise
+        return [], None, f"plain decoding: {exc}"
+    argv = ["--asr.speculative", "whisper-flash", "--asr.speculative_draft_model_path", str(drafter)]
+    return argv, drafter, f"Whisper-Flash speculative decoding, drafter {drafter}"
 
 
 def cpu_config_template() -> dict:
@@ -96,8 +122,10 @@ def plan_launch(options: ServeOptions) -> LaunchPlan:
     else:
         argv += ["--model-path", str(model_dir)]
         env = dict(os.environ)
-    argv += ["--host", options.host, "--port", str(options.port), *options.extra_args]
-    return LaunchPlan(argv=argv, env=env, on_cpu=on_cpu, model_dir=model_dir, config_file=config_file)
+    spec_argv, drafter, note = speculative_args(options, model_dir)
+    argv += ["--host", options.host, "--port", str(options.port), *spec_argv, *options.extra_args]
+    return LaunchPlan(argv=argv, env=env, on_cpu=on_cpu, model_dir=model_dir, config_file=config_file,
+                      speculative=bool(spec_argv), drafter=drafter, note=note)
 
 
 def live_group_members(pgid: int) -> list[int]:
