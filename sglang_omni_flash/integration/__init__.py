@@ -9,6 +9,11 @@ Importing this package is cheap and imports nothing from sglang-omni; the submod
                        so registration happens in every process without anyone calling it.
 * ``stages``        -- the stage factory the config points at (stock behaviour without
                        ``speculative``).
+* ``engine_builder``  -- the plugin's ``WhisperASREngineBuilder`` subclasses (``.en`` prefix fix;
+                       the Whisper-Flash worker's drafter loading, hooks, runner, streaming).
+* ``spec_runner``     -- ``WhisperFlashModelRunner``: the speculative decode step.
+* ``verify``          -- the verify pass over the paged KV cache (new rows only).
+* ``streaming``       -- stream deltas for steps that emit several tokens.
 
 docs/integration.md describes the mechanism.
 """

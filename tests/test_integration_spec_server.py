@@ -1,0 +1,261 @@
+"""`--asr.speculative whisper-flash` on the real `sgl-omni serve` (CPU, converted base model).
+
+One plain server and one speculative server (an untrained drafter: it proposes, the target
+rejects nearly everything, so every code path of a step runs -- propose, verify, free the
+rejected slots, fall back) answer the same clips; the output must be identical. The servers
+are module-scoped and run one after the other.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import free_port
+from sglang_omni_flash.serving.launch import Server, ServeOptions
+
+pytestmark = pytest.mark.server
+
+N_CLIPS = 20  # + one > 30 s clip made by concatenation
+FORMATS = ("json", "verbose_json", "srt")
+FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(\d+%\) target_calls=(\d+) "
+                         r"kv_free=(\d+)(?: ids=\[([\d, ]*)\])?")
+
+
+@pytest.fixture(scope="module")
+def clips(test_clips, tmp_path_factory):
+    """20 clips spread over synthetic voices and real lines, plus one > 30 s concatenation."""
+    import numpy as np
+    import soundfile as sf
+
+    synthetic = [c for c in test_clips if not c.voice.startswith("librivox")]
+    real = [c for c in test_clips if c.voice.startswith("librivox")]
+    picked = synthetic[:: max(1, len(synthetic) // 12)][:12] + real[:8]
+    assert len(picked) == N_CLIPS
+    parts, total = [], 0.0
+    for clip in sorted(real, key=lambda c: -c.duration):
+        audio, sr = sf.read(clip.audio, dtype="float32")
+        parts += [audio, np.zeros(sr // 2, dtype="float32")]
+        total += len(audio) / sr + 0.5
+        if total > 34:
+            break
+    long_wav = tmp_path_factory.mktemp("long") / "long.wav"
+    sf.write(long_wav, np.concatenate(parts), sr)
+    assert total > 30
+    long_clip = type("Clip", (), {"id": "long-concat", "audio": long_wav, "duration": total})()
+    return [*picked, long_clip]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(base_model_dir, tmp_path_factory):
+    """An untrained drafter for base (WhisperFlashDrafter.from_target): exact output, no speed-up."""
+    import torch
+    from transformers import WhisperForConditionalGeneration
+
+    from sglang_omni_flash.flash.checkpoint import save_drafter
+    from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+
+    torch.manual_seed(0)
+    target = WhisperForConditionalGeneration.from_pretrained(base_model_dir, torch_dtype=torch.float32)
+    return save_drafter(WhisperFlashDrafter.from_target(target), tmp_path_factory.mktemp("drafter") / "base",
+                        dtype=torch.float32)
+
+
+def transcribe(server, clip, **form):
+    with open(clip.audio, "rb") as fh:
+        return requests.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper", **form},
+                             files={"file": (clip.audio.name, fh, "audio/wav")}, timeout=600)
+
+
+def body_of(resp, fmt):
+    assert resp.status_code == 200, resp.text[:500]
+    return resp.json() if fmt.endswith("json") else resp.text
+
+
+def start(options: ServeOptions) -> Server:
+    srv = Server(options)
+    srv.start()
+    try:
+        srv.wait_ready()
+    except Exception:
+        srv.stop()
+        print(options.log_file.read_text(errors="replace")[-5000:])
+        raise
+    return srv
+
+
+def answer(resp, fmt):
+    """(status, body): srt of a chunked (> 30 s) clip is a 400 in sglang-omni, the same for both servers."""
+    return resp.status_code, (resp.json() if fmt.endswith("json") or resp.status_code != 200 else resp.text)
+
+
+def all_formats(server, clips) -> dict[str, dict[str, object]]:
+    """Every clip in every format, 4 requests at a time (json first: it fills the encoder cache)."""
+    out = {}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for fmt in FORMATS:
+            answers = pool.map(lambda c: answer(transcribe(server, c, response_format=fmt), fmt), clips)
+            out[fmt] = dict(zip((c.id for c in clips), answers))
+    assert all(status == 200 for status, _ in out["json"].values()), out["json"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_results(base_model_dir, clips, tmp_path_factory):
+    log = tmp_path_factory.mktemp("plain") / "sgl-omni.log"
+    srv = start(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log))
+    try:
+        return all_formats(srv, clips)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server(base_model_dir, drafter_dir, plain_results, tmp_path_factory):
+    """Starts after the plain server is gone (plain_results), so the two never share the cores."""
+    log = tmp_path_factory.mktemp("spec") / "sgl-omni.log"
+    srv = start(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
+                             extra_args=("--asr.speculative", "whisper-flash",
+                                         "--asr.speculative_draft_model_path", str(drafter_dir))))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_results(spec_server, clips):
+    return all_formats(spec_server, clips)
+
+
+def finish_lines(server) -> list[tuple]:
+    """(rid, proposed, accepted, target_calls, kv_free, ids) of every finished/aborted request so far."""
+    text = server.options.log_file.read_text(errors="replace")
+    out = []
+    for m in FINISH_LINE.finditer(" ".join(text.split())):  # rich may wrap long lines
+        ids = None if m.group(6) is None else [int(t) for t in m.group(6).replace(" ", "").split(",") if t]
+        out.append((m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)), ids))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_speculative_output_is_identical_to_plain(plain_results, spec_results, clips, fmt):
+    assert sum(status == 200 for status, _ in spec_results[fmt].values()) >= N_CLIPS
+    different = [c.id for c in clips if spec_results[fmt][c.id] != plain_results[fmt][c.id]]
+    assert not different, {cid: (plain_results[fmt][cid], spec_results[fmt][cid]) for cid in different[:3]}
+
+
+def test_long_audio_goes_through_chunking_identically(plain_results, spec_results):
+    text = spec_results["json"]["long-concat"][1]["text"]
+    assert len(text.split()) > 40, text
+    assert text == plain_results["json"]["long-concat"][1]["text"]
+
+
+def test_speculative_server_really_speculates_and_keeps_token_ids(spec_server, spec_results, base_model_dir):
+    """Every request was decoded by the worker (drafts proposed); its ids decode to the served text."""
+    from transformers import WhisperTokenizer
+
+    tokenizer = WhisperTokenizer.from_pretrained(base_model_dir)
+    lines = [line for line in finish_lines(spec_server) if line[5] is not None]
+    assert len(lines) >= 3 * N_CLIPS
+    assert sum(line[1] for line in lines) > 0  # candidates were proposed and verified
+    texts = {json.dumps(body["text"]) for _, body in spec_results["json"].values()}
+    decoded = {json.dumps(tokenizer.decode(line[5], skip_special_tokens=True).strip()) for line in lines}
+    short = {t for t in texts if "long" not in t}
+    assert short & decoded  # the logged ids are the transcripts' ids
+
+
+def test_token_ids_equal_transformers_greedy(spec_server, spec_results, clips, base_model_dir):
+    """The worker's token ids for the first clips equal transformers generate() (greedy, fp32)."""
+    import soundfile as sf
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(base_model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(base_model_dir, torch_dtype=torch.float32).eval()
+    logged = {}
+    for line in finish_lines(spec_server):
+        if line[5] is not None:
+            logged.setdefault(processor.tokenizer.decode(line[5], skip_special_tokens=True).strip(), line[5])
+    for clip in clips[:4]:
+        audio, sr = sf.read(clip.audio, dtype="float32")
+        features = processor(audio, sampling_rate=sr, return_tensors="pt").input_features
+        with torch.inference_mode():
+            ref = model.generate(features, max_new_tokens=440, language="en", task="transcribe")[0].tolist()
+        text = spec_results["json"][clip.id][1]["text"]
+        assert text in logged, text
+        eos = processor.tokenizer.eos_token_id
+        ids = [t for t in logged[text] if t != eos]  # sglang keeps the EOS in output_ids
+        ref = [t for t in ref if t != eos]
+        assert ref[-len(ids):] == ids, (clip.id, ref, ids)
+
+
+def test_eight_concurrent_requests_equal_sequential(spec_server, spec_results, clips):
+    batch = clips[:8]
+    sequential = [body_of(transcribe(spec_server, c, response_format="json"), "json") for c in batch]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        bodies = list(pool.map(lambda c: body_of(transcribe(spec_server, c, response_format="json"), "json"), batch))
+    for clip, one, body in zip(batch, sequential, bodies):
+        assert body["text"] == one["text"] == spec_results["json"][clip.id][1]["text"], clip.id
+
+
+def stream_deltas(server, clip, stop_after: int | None = None):
+    with open(clip.audio, "rb") as fh:
+        resp = requests.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper", "stream": "true"},
+                             files={"file": (clip.audio.name, fh, "audio/wav")}, stream=True, timeout=600)
+    assert resp.status_code == 200
+    deltas, done = [], None
+    try:
+        for line in resp.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if event["type"] == "transcript.text.delta":
+                deltas.append(event["delta"])
+                if stop_after is not None and len(deltas) >= stop_after:
+                    break
+            elif event["type"] == "transcript.text.done":
+                done = event["text"]
+    finally:
+        resp.close()
+    return deltas, done
+
+
+def test_streamed_deltas_concatenate_to_the_final_text(spec_server, spec_results, clips):
+    clip = max(clips[:N_CLIPS], key=lambda c: c.duration)
+    deltas, done = stream_deltas(spec_server, clip)
+    assert done is not None
+    assert "".join(deltas).strip() == done.strip() == spec_results["json"][clip.id][1]["text"].strip()
+    assert len(deltas) > 1
+
+
+def test_aborted_stream_returns_the_kv_pool_to_baseline(spec_server, spec_results, clips):
+    """The free count logged when a request finishes (its own slots are still in sglang's free
+    group then) is the same for the same clip before and after an aborted stream."""
+    def alone():
+        body = body_of(transcribe(spec_server, clips[0], response_format="json"), "json")
+        assert body["text"] == spec_results["json"][clips[0].id][1]["text"]
+        return finish_lines(spec_server)[-1][4]
+
+    baseline = alone()
+    clip = max(clips[:N_CLIPS], key=lambda c: c.duration)
+    deltas, done = stream_deltas(spec_server, clip, stop_after=1)  # then hang up mid-decode
+    assert deltas and done is None
+    time.sleep(3)
+    assert alone() == baseline
+
+
+def test_temperature_sampling_goes_through_the_rejection_rule(spec_server, clips):
+    """T > 0: candidates are drafted and tested by speculative_sample; the request completes normally."""
+    before = len(finish_lines(spec_server))
+    body = body_of(transcribe(spec_server, clips[1], response_format="json", temperature="0.4"), "json")
+    assert body["text"].strip()
+    new = finish_lines(spec_server)[before:]
+    assert any(line[5] for line in new)  # finished with ids
+    assert sum(line[1] for line in new) > 0  # drafts were proposed under sampling
