@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "sglang_omni_flash.corpus.cli",
     "sglang_omni_flash.engine.cli",
     "sglang_omni_flash.serving.cli",
+    "sglang_omni_flash.training.cli",
 )
 
 

@@ -103,6 +103,7 @@ class DecodeResult:
     target_calls: int = 0  # target passes (prefill included)
     first_accepts: int = 0  # rounds whose first candidate was accepted
     rounds: int = 0  # rounds with at least one candidate
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted candidates of each such round
     language: str | None = None
 
 
@@ -247,6 +248,7 @@ class SpeculativeDecoder:
             out.proposed += num[i]
             out.accepted += a
             out.first_accepts += int(a > 0)
+            out.accepted_lengths.append(a)
             row.cache_len += 1 + a
             self._emit(row, cand[i][:a] if eos_accepted[i] else cand[i][:a] + [next_token[i]])
         self.backend.commit([r.cache_len for r in rows])

@@ -75,7 +75,10 @@ def save_drafter(drafter: WhisperFlashDrafter, out_dir: str | Path, *, dtype: to
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = {
+        k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "architecture": drafter.config.architecture})
     config = drafter.config.to_dict() | {"format_version": FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -100,6 +100,7 @@ class DrafterConfig:
     activation: str = "gelu"  # FFN activation (Whisper's)
     layer_norm_eps: float = 1e-5
     embed_scale: float = 1.0  # sqrt(d_model) if the target scales its embeddings, else 1 (Whisper: 1)
+    draft_vocab_size: int = 0  # > 0: the drafter only proposes these many target tokens (buffer `draft_vocab`)
     target_name_or_path: str = ""  # information only
 
     def __post_init__(self) -> None:
@@ -252,7 +253,13 @@ class WhisperFlashDrafter(nn.Module):
             self.history_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)  # final LN, before the shared head
+        if config.draft_vocab_size:
+            # A reduced draft vocabulary (as EAGLE-3's d2t map): the shared head's rows for these token
+            # ids only. On CPU the head is most of a drafter call and of a training step; a token
+            # outside it is simply never proposed (the target still decides every token).
+            self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._shared: _SharedTarget | None = None
+        self._draft_head: tuple | None = None  # (key, weight rows, bias rows) cache for draft_vocab
 
     # ------------------------------------------------------------------------- construction
 
@@ -266,12 +273,14 @@ class WhisperFlashDrafter(nn.Module):
         use_audio: bool = True,
         use_history: bool = True,
         n_layers: int = 2,
+        draft_vocab: Tensor | None = None,
     ) -> "WhisperFlashDrafter":
         """A fresh drafter initialised from the target's first `n_layers` decoder blocks.
 
         Copied: self-attn q/k/v/o, cross-attn q/k/v/o (-> acoustic_attn), the three layer norms, the
         FFN, and the decoder's final layer norm. Fresh: the mask vector m (normal, scaled like the
-        token embedding) and the history projection (+ its norm). Shared: embedding and output head.
+        token embedding) and the history projection (+ its norm; identity on the first history block). Shared:
+        embedding and output head.
         """
         from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
 
@@ -296,15 +305,26 @@ class WhisperFlashDrafter(nn.Module):
             activation=tc.activation_function,
             embed_scale=math.sqrt(tc.d_model) if tc.scale_embedding else 1.0,
             target_name_or_path=str(getattr(tc, "_name_or_path", "") or ""),
+            draft_vocab_size=0 if draft_vocab is None else int(torch.unique(draft_vocab).numel()),
         )
         decoder = target.model.decoder
         drafter = cls(config)
+        if draft_vocab is not None:
+            drafter.set_draft_vocab(draft_vocab)
         with torch.no_grad():
             emb = decoder.embed_tokens.weight
             drafter.mask.copy_(torch.randn(config.d_model) * emb.float().std().cpu())
             for layer, source in zip(drafter.layers, decoder.layers):
                 _copy_block(layer, source, use_audio)
             drafter.norm.load_state_dict(decoder.layer_norm.state_dict())
+            if use_history:
+                # Start the projection as "take the first history block as it is": the target's residual
+                # stream is what the copied blocks already read, so attention over the history means
+                # something from step 0 (measured: faster early learning than a random projection).
+                d = config.d_model
+                drafter.history_proj.weight.zero_()
+                drafter.history_proj.bias.zero_()
+                drafter.history_proj.weight[:, :d].copy_(torch.eye(d))
         drafter.to(device=emb.device, dtype=emb.dtype)
         drafter.bind_target(target)
         return drafter
@@ -315,6 +335,7 @@ class WhisperFlashDrafter(nn.Module):
         if embed.weight.shape != (self.config.vocab_size, self.config.d_model):
             raise ValueError(f"target embedding {tuple(embed.weight.shape)} does not fit this drafter")
         self._shared = _SharedTarget(embed_tokens=embed, output_head=head)
+        self._draft_head = None
 
     # ---------------------------------------------------------------------------- memories
 
@@ -386,9 +407,44 @@ class WhisperFlashDrafter(nn.Module):
             )
 
         h = self.norm(block[:, 1:])  # [B, K, d], anchor row dropped
-        head = shared.output_head
-        bias = None if head.bias is None else head.bias.detach()
-        return F.linear(h.to(head.weight.dtype), head.weight.detach(), bias)
+        return self.logits(h)
+
+    def logits(self, h: Tensor, full: bool = True) -> Tensor:
+        """Final-LN states [..., d] -> logits through the shared head.
+
+        With a draft vocabulary: full=True scatters them into [..., vocab] (-inf elsewhere, so no
+        other token is ever proposed); full=False returns [..., draft_vocab_size] (training)."""
+        head = self._require_target().output_head
+        if not self.config.draft_vocab_size:
+            bias = None if head.bias is None else head.bias.detach()
+            return F.linear(h.to(head.weight.dtype), head.weight.detach(), bias)
+        weight, bias = self._draft_head_rows(head)
+        small = F.linear(h.to(weight.dtype), weight, bias)
+        if not full:
+            return small
+        out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., self.draft_vocab] = small
+        return out
+
+    def _draft_head_rows(self, head: nn.Linear) -> tuple[Tensor, Tensor | None]:
+        w = head.weight
+        key = (w.data_ptr(), w.device, w.dtype, self.draft_vocab.data_ptr(), self.draft_vocab.device)
+        if self._draft_head is None or self._draft_head[0] != key:
+            vocab = self.draft_vocab.to(w.device)
+            rows = w.detach().index_select(0, vocab)
+            bias = None if head.bias is None else head.bias.detach().index_select(0, vocab)
+            self._draft_head = (key, rows, bias)
+        return self._draft_head[1], self._draft_head[2]
+
+    def set_draft_vocab(self, token_ids: Tensor) -> None:
+        """Fix the draft vocabulary (sorted unique ids) of a drafter whose config reserved its size."""
+        ids = torch.unique(token_ids.long().cpu())
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"{ids.numel()} draft tokens, config says {self.config.draft_vocab_size}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError("draft vocabulary ids outside the target vocabulary")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+        self._draft_head = None
 
     def _require_target(self) -> _SharedTarget:
         if self._shared is None:

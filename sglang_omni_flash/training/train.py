@@ -1,0 +1,406 @@
+"""`train_drafter(options)`: packed-anchor training of a Whisper-Flash drafter on teacher extractions.
+
+Recipe (paper A.3, scaled by options): AdamW, peak lr 6e-4, 4% linear warm-up then cosine decay to 0,
+gradient clipping 1.0, FP32 on CPU / BF16 autocast on CUDA, up to 16 anchors per utterance sampled
+without replacement, loss eq. 3. Validation = mean accepted-prefix length of greedy drafts on held-out
+teacher data (every anchor of every validation utterance); the best checkpoint is kept as a drafter
+directory (`best/`, fp16 safetensors + config.json) beside resumable training state (`state/`).
+
+Everything random is a pure function of (seed, step): the utterance order of each epoch and the anchors
+of each step, so a run resumed from a checkpoint reaches the same weights as an uninterrupted one.
+
+CPU budget switches (defaults chosen for the shipped CPU drafters, see docs/training.md):
+* `freeze_acoustic_kv`: keep the drafter's acoustic K/V projections at their initial values (Whisper's
+  own cross-attention K/V of blocks 0-1), so acoustic K/V are computed once per utterance and cached.
+* `draft_vocab_top`: a reduced draft vocabulary -- token ids below this bound (BPE ranks: the most
+  frequent pieces), every special/timestamp token, and every token of the training labels.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.training import packing
+
+STATE = "state"
+BEST = "best"
+LOG_CSV = "log.csv"
+SUMMARY = "summary.json"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    teacher: tuple[str, ...]  # teacher extraction folders (training data)
+    out: str  # output folder: state/, best/, log.csv, learning_curve.png, summary.json
+    validation: tuple[str, ...] = ()  # teacher folders of held-out voices/texts (checkpoint selection)
+    model: str = "base"  # the target the teacher data came from (embedding, head, initialisation)
+    steps: int = 1000
+    batch_size: int = 4  # utterances per update (paper: 4)
+    anchors: int = 16  # anchors per utterance
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    use_audio: bool = True  # --no-audio: ablation without the acoustic memory
+    use_history: bool = True  # --no-history: ablation without the target's history
+    freeze_acoustic_kv: bool = True
+    draft_vocab_top: int = 16000  # 0 = full vocabulary
+    block_size: int = 8
+    threads: int | None = None
+    device: str = "auto"
+
+    def fixed(self) -> dict:
+        """What a resumed run must agree on."""
+        d = asdict(self)
+        for k in ("out", "threads", "eval_every", "checkpoint_every", "device"):
+            d.pop(k)
+        return d
+
+
+@dataclass
+class Metrics:
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+    val_tau: float = math.nan
+    val_first: float = math.nan
+    val_loss: float = math.nan
+    extra: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, options: TrainOptions) -> float:
+    """Linear warm-up to the peak, then cosine decay to 0 (step counts from 0)."""
+    warm = max(1, round(options.warmup * options.steps))
+    if step < warm:
+        return options.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, options.steps - warm)
+    return options.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, options: TrainOptions, progress: bool = True):
+        from transformers import WhisperForConditionalGeneration
+
+        from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+        from sglang_omni_flash.models.embedded import resolve_model
+        from sglang_omni_flash.training.extract import load_teacher
+
+        self.options = options
+        self.progress = progress
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        if options.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(options.device)
+        self.out = Path(options.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+        self.train_index, self.train = self._load(options.teacher, load_teacher)
+        if not self.train:
+            raise UserError("the teacher folders hold no usable utterance")
+        self.val = self._load(options.validation, load_teacher)[1] if options.validation else []
+
+        model_dir = resolve_model(options.model)
+        target = WhisperForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.target = target.to(self.device).eval()
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self._check_teacher(self.train_index)
+
+        draft_vocab = self._draft_vocab() if options.draft_vocab_top else None
+        torch.manual_seed(options.seed)
+        self.drafter = WhisperFlashDrafter.from_target(
+            self.target,
+            block_size=options.block_size,
+            history_layers=tuple(self.train_index["history_layers"]),
+            use_audio=options.use_audio,
+            use_history=options.use_history,
+            draft_vocab=draft_vocab,
+        ).float().to(self.device)
+        if options.freeze_acoustic_kv and options.use_audio:
+            for layer in self.drafter.layers:
+                for p in (*layer.acoustic_attn.k_proj.parameters(), *layer.acoustic_attn.v_proj.parameters()):
+                    p.requires_grad_(False)
+        self.index = packing.vocab_index(getattr(self.drafter, "draft_vocab", None), self.drafter.config.vocab_size)
+        self.weights = packing.position_weights(options.block_size).to(self.device)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay, foreach=True
+        )
+        self.step = 0
+        self.best_tau = -math.inf
+        self._acoustic_cache: dict[str, list] = {}
+
+    # -- data ------------------------------------------------------------------------------
+    @staticmethod
+    def _load(folders, load_teacher):
+        index, utts = None, []
+        for folder in folders:
+            idx, part = load_teacher(folder)
+            if index is not None and idx["embedding_fingerprint"] != index["embedding_fingerprint"]:
+                raise UserError(f"{folder} was extracted from another target than {folders[0]}")
+            index = index or idx
+            utts += part
+        return index, utts
+
+    def _check_teacher(self, index: dict) -> None:
+        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
+
+        if index["embedding_fingerprint"] != embedding_fingerprint(self.target):
+            raise UserError(
+                f"the teacher data was extracted from another model ({index['model']}) than --model {self.options.model}"
+            )
+
+    def _draft_vocab(self) -> torch.Tensor:
+        cfg = self.target.config
+        eos = self.train_index["eos"]
+        ids = set(range(min(self.options.draft_vocab_top, cfg.vocab_size)))
+        ids |= set(range(eos, cfg.vocab_size))  # EOS, special and timestamp tokens
+        for utt in self.train:
+            ids |= set(utt.tokens[utt.prompt_len :].tolist())
+        return torch.tensor(sorted(ids), dtype=torch.long)
+
+    def _acoustic(self, utts):
+        """Per layer (k, v) [U, H, T, hd] for these utterances (cached when the projections are frozen)."""
+        d = self.drafter
+        if not d.config.use_audio:
+            return None
+        if not self.options.freeze_acoustic_kv:
+            enc = torch.stack([u.encoder for u in utts]).to(self.device, torch.float32)
+            return d.acoustic_kv(enc)
+        per_utt = []
+        for u in utts:
+            kv = self._acoustic_cache.get(u.id)
+            if kv is None:
+                with torch.no_grad():
+                    kv = [(k.half(), v.half()) for k, v in d.acoustic_kv(u.encoder[None].to(self.device, torch.float32))]
+                self._acoustic_cache[u.id] = kv
+            per_utt.append(kv)
+        return [
+            (torch.cat([p[i][0] for p in per_utt]).float(), torch.cat([p[i][1] for p in per_utt]).float())
+            for i in range(d.config.n_layers)
+        ]
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.options.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.train), generator=g).tolist()
+
+    def batch_for(self, step: int):
+        """The utterances and anchors of update `step` (a pure function of seed and step)."""
+        n, bs = len(self.train), min(self.options.batch_size, len(self.train))
+        per_epoch = max(1, n // bs)
+        epoch, k = divmod(step, per_epoch)
+        order = self._order(epoch)[k * bs : (k + 1) * bs]
+        utts = [self.train[i] for i in order]
+        g = torch.Generator().manual_seed(self.options.seed * 7_919 + step)
+        anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), self.options.anchors, g) for u in utts]
+        return utts, anchors
+
+    # -- one update --------------------------------------------------------------------------
+    def train_step(self) -> float:
+        opts = self.options
+        self.drafter.train()
+        utts, anchors = self.batch_for(self.step)
+        batch = packing.pack(utts, anchors, opts.block_size, self.drafter.config.use_history)
+        batch = _to(batch, self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, opts)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _null()
+        with autocast:
+            acoustic = self._acoustic(utts)
+            loss, _, _, _ = packing.packed_loss(self.drafter, batch, acoustic, self.weights, self.index)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), opts.clip)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def validate(self, utts=None, max_anchors: int = 64) -> dict:
+        """Greedy accepted-prefix statistics over (up to max_anchors per utterance) anchors of held-out data."""
+        utts = self.val if utts is None else utts
+        if not utts:
+            return {}
+        self.drafter.eval()
+        g = torch.Generator().manual_seed(12345)
+        prefixes, losses, by_pos, n_lab = [], [], torch.zeros(self.options.block_size), 0
+        for start in range(0, len(utts), 4):
+            part = utts[start : start + 4]
+            anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), max_anchors, g) for u in part]
+            batch = _to(packing.pack(part, anchors, self.options.block_size, self.drafter.config.use_history), self.device)
+            loss, n, logits, labels = packing.packed_loss(self.drafter, batch, self._acoustic(part), self.weights, self.index)
+            prefix = packing.accepted_prefix(logits, labels)
+            prefixes.append(prefix.cpu())
+            losses.append(float(loss) * int(n))
+            n_lab += int(n)
+            for j in range(self.options.block_size):
+                by_pos[j] += float((prefix > j).float().sum())
+        prefix = torch.cat(prefixes)
+        return {
+            "tau": packing.expected_tau(prefix),
+            "first": float((prefix > 0).float().mean()),
+            "loss": sum(losses) / max(1, n_lab),
+            "accept_by_position": (by_pos / max(1, prefix.numel())).tolist(),
+            "blocks": int(prefix.numel()),
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_state(self) -> None:
+        state_dir = self.out / STATE
+        state_dir.mkdir(exist_ok=True)
+        tmp = state_dir / "train.pt.tmp"
+        torch.save(
+            {
+                "step": self.step,
+                "best_tau": self.best_tau,
+                "drafter": self.drafter.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "options": self.options.fixed(),
+            },
+            tmp,
+        )
+        os.replace(tmp, state_dir / "train.pt")
+
+    def try_resume(self) -> bool:
+        path = self.out / STATE / "train.pt"
+        if not path.is_file():
+            return False
+        saved = torch.load(path, map_location=self.device, weights_only=False)
+        if saved["options"] != self.options.fixed():
+            changed = sorted(k for k in saved["options"] if saved["options"][k] != self.options.fixed().get(k))
+            raise UserError(f"{self.out} holds a run with other settings ({', '.join(changed)}): use another --out")
+        self.drafter.load_state_dict(saved["drafter"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.step = saved["step"]
+        self.best_tau = saved["best_tau"]
+        return True
+
+    def save_best(self, metrics: dict) -> None:
+        from sglang_omni_flash.flash.checkpoint import save_drafter
+
+        tmp = self.out / (BEST + ".tmp")
+        save_drafter(self.drafter, tmp)
+        (tmp / "metrics.json").write_text(json.dumps(dict(metrics, step=self.step), indent=1) + "\n")
+        final = self.out / BEST
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, stop_after: int | None = None) -> dict:
+        """Train to options.steps (or `stop_after` more updates: tests interrupt with it)."""
+        opts = self.options
+        resumed = self.try_resume()
+        log = _CsvLog(self.out / LOG_CSV, fresh=not resumed)
+        end = opts.steps if stop_after is None else min(opts.steps, self.step + stop_after)
+        bar = tqdm(total=opts.steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
+                   disable=not self.progress, dynamic_ncols=True)
+        t0 = time.perf_counter()
+        running = None
+        last_val: dict = {}
+        with bar:
+            while self.step < end:
+                loss = self.train_step()
+                running = loss if running is None else 0.9 * running + 0.1 * loss
+                row = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, opts), "seconds": time.perf_counter() - t0}
+                at_end = self.step == opts.steps
+                if self.val and (self.step % opts.eval_every == 0 or at_end):
+                    last_val = self.validate()
+                    row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"]}
+                    if last_val["tau"] > self.best_tau:
+                        self.best_tau = last_val["tau"]
+                        self.save_best(last_val)
+                log.write(row)
+                if self.step % opts.checkpoint_every == 0 or at_end:
+                    if not self.val and at_end:
+                        self.save_best({})
+                    self.save_state()
+                bar.set_postfix(loss=f"{running:.3f}", val_tau=f"{last_val.get('tau', math.nan):.2f}")
+                bar.update(1)
+        summary = {"step": self.step, "best_val_tau": self.best_tau, "last_val": last_val,
+                   "train_utterances": len(self.train), "val_utterances": len(self.val),
+                   "trainable_parameters": sum(p.numel() for p in self.drafter.parameters() if p.requires_grad),
+                   "draft_vocab_size": self.drafter.config.draft_vocab_size}
+        (self.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+        plot_curve(self.out / LOG_CSV, self.out / "learning_curve.png")
+        return summary
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
+    for name in ("block_tokens", "block_pos", "is_anchor_row", "labels", "history", "history_pos", "attn_mask"):
+        value = getattr(batch, name)
+        if value is not None:
+            if name == "history":
+                value = value.float()
+            setattr(batch, name, value.to(device))
+    return batch
+
+
+class _CsvLog:
+    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss")
+
+    def __init__(self, path: Path, fresh: bool):
+        self.path = path
+        if fresh or not path.is_file():
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(self.FIELDS)
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([row.get(k, "") for k in self.FIELDS])
+
+
+def plot_curve(csv_path: Path, png_path: Path) -> None:
+    """Training loss and validation acceptance against step (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, vsteps, taus = [], [], [], []
+    with open(csv_path, newline="") as f:
+        for row in csv.DictReader(f):
+            steps.append(int(row["step"]))
+            losses.append(float(row["loss"]))
+            if row.get("val_tau"):
+                vsteps.append(int(row["step"]))
+                taus.append(float(row["val_tau"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, lw=0.8, color="tab:blue", label="train loss (eq. 3)")
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss", color="tab:blue")
+    if taus:
+        ax2 = ax.twinx()
+        ax2.plot(vsteps, taus, "o-", color="tab:red", label="validation tau")
+        ax2.set_ylabel("validation tau (tokens / target call)", color="tab:red")
+    ax.set_title("Whisper-Flash drafter training")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

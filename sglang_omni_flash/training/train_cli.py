@@ -1,0 +1,108 @@
+"""`whisper-flash train` and `whisper-flash eval-drafter` (registered by training/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sglang_omni_flash.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from sglang_omni_flash.training.train import TrainOptions
+
+    d = TrainOptions(teacher=(), out="")
+    tr = subparsers.add_parser(
+        "train", help="train a Whisper-Flash drafter on teacher extractions (resumable)",
+        description="Packed-anchor training (paper eq. 3, AdamW, warm-up + cosine). Resumes from OUT/state. "
+        "The best checkpoint by validation acceptance is OUT/best, a drafter directory.",
+    )
+    tr.add_argument("--teacher", action="append", required=True, metavar="DIR", help="teacher folder (repeatable)")
+    tr.add_argument("--validation", action="append", default=[], metavar="DIR",
+                    help="teacher folder of held-out voices/speakers (repeatable)")
+    tr.add_argument("--out", required=True, help="output folder")
+    tr.add_argument("--model", default=d.model, help="the target the teacher data came from (default base)")
+    tr.add_argument("--steps", type=int, default=d.steps)
+    tr.add_argument("--batch-size", type=int, default=d.batch_size, help="utterances per update")
+    tr.add_argument("--anchors", type=int, default=d.anchors, help="anchors per utterance (default 16)")
+    tr.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default 6e-4)")
+    tr.add_argument("--warmup", type=float, default=d.warmup, help="warm-up fraction (default 0.04)")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--eval-every", type=int, default=d.eval_every)
+    tr.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    tr.add_argument("--no-audio", action="store_true", help="ablation: no acoustic memory")
+    tr.add_argument("--no-history", action="store_true", help="ablation: no target history")
+    tr.add_argument("--train-acoustic-kv", action="store_true",
+                    help="also train the acoustic K/V projections (paper; slower on CPU)")
+    tr.add_argument("--draft-vocab-top", type=int, default=d.draft_vocab_top,
+                    help="draft vocabulary: ids below this + specials + training labels (0 = full vocabulary)")
+    tr.add_argument("--threads", type=int, default=None)
+    tr.add_argument("--device", default="auto")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_train)
+
+    ev = subparsers.add_parser(
+        "eval-drafter", help="acceptance of a drafter in real decoding: alpha, tau, first, by position/duration",
+    )
+    ev.add_argument("--model", default="base")
+    ev.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    from sglang_omni_flash.training.cli import _add_sources
+
+    _add_sources(ev)
+    ev.add_argument("--batch-size", type=int, default=1)
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--json", metavar="OUT", help="write the full result (per clip too) here")
+    ev.add_argument("--quiet", action="store_true")
+    ev.set_defaults(func=_eval)
+
+
+def _train(args) -> int:
+    from sglang_omni_flash.training.train import Trainer, TrainOptions
+
+    for name in ("steps", "batch_size", "anchors", "eval_every", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lr <= 0 or not 0 <= args.warmup < 1:
+        raise UserError("--lr must be > 0 and --warmup in [0, 1)")
+    if args.no_audio and args.no_history:
+        raise UserError("--no-audio and --no-history together leave the drafter nothing to read")
+    for folder in [*args.teacher, *args.validation]:
+        if not (Path(folder) / "teacher.json").is_file():
+            raise UserError(f"{folder} is not a teacher extraction (run `whisper-flash extract --out {folder}`)")
+    options = TrainOptions(
+        teacher=tuple(args.teacher), validation=tuple(args.validation), out=args.out, model=args.model,
+        steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
+        seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        use_audio=not args.no_audio, use_history=not args.no_history,
+        freeze_acoustic_kv=not args.train_acoustic_kv, draft_vocab_top=args.draft_vocab_top,
+        threads=args.threads, device=args.device,
+    )
+    summary = Trainer(options, progress=not args.quiet).run()
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _eval(args) -> int:
+    from tqdm import tqdm
+
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.training.cli import _clips
+    from sglang_omni_flash.training.evaluate import evaluate_drafter, format_table
+
+    clips = _clips(args)
+    engine = WhisperFlashEngine(
+        EngineOptions(model=args.model, drafter=args.drafter, speculative=True, batch_size=args.batch_size,
+                      threads=args.threads)
+    )
+    print(f"drafter: {engine.drafter_source}", file=sys.stderr)
+    with tqdm(total=len(clips), desc="eval", unit="clip", file=sys.stderr, disable=args.quiet) as bar:
+        result = evaluate_drafter(engine, clips, progress=bar.update)
+    result["drafter"] = engine.drafter_source
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    name = ",".join(Path(m).parent.name for m in args.manifest) or "clips"
+    print(format_table(name, result))
+    return 0

@@ -1,0 +1,176 @@
+"""Drafter training on real converted Whisper (tiny.en) and real test audio: extraction, packing, training, resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_omni_flash.training import packing
+from sglang_omni_flash.training.extract import ExtractOptions, TeacherExtractor, load_teacher, read_index
+from sglang_omni_flash.training.sources import from_manifest
+from sglang_omni_flash.training.train import Trainer, TrainOptions, lr_at
+
+
+@pytest.fixture(scope="module")
+def clips(test_set_paths):
+    synth = from_manifest(test_set_paths.synth)
+    return synth[:6]
+
+
+@pytest.fixture(scope="module")
+def extractor(tiny_en_model_dir):
+    return TeacherExtractor(ExtractOptions(model=str(tiny_en_model_dir), shard_size=4, batch_size=3))
+
+
+@pytest.fixture(scope="module")
+def teacher(extractor, clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    extractor.extract(clips, out, progress=False)
+    return out
+
+
+def test_extraction_reproduces_engine_greedy(extractor, teacher, clips):
+    index, utts = load_teacher(teacher)
+    assert index["totals"]["clips"] == len(clips) and len(utts) == index["totals"]["kept"] >= 5
+    engine = extractor.engine
+    plain = engine.decode(engine.log_mel([c.load() for c in clips]), speculative=False)
+    by_id = {c.id: r for c, r in zip(clips, plain)}
+    eos = engine.special.eos
+    for utt in utts:
+        greedy = by_id[utt.id]
+        assert utt.tokens[utt.prompt_len :].tolist() == greedy.tokens  # token for token, EOS included
+        assert utt.tokens[: utt.prompt_len].tolist() == greedy.prompt
+        assert int(utt.tokens[-1]) == eos
+        assert utt.history.shape == (utt.tokens.numel(), len(index["history_layers"]), engine.model.config.d_model)
+        assert utt.history.dtype == torch.float16 and utt.encoder.dtype == torch.float16
+
+
+@torch.inference_mode()
+def test_extraction_history_matches_the_engine_target(extractor, teacher, clips):
+    """History states equal what the target computes step by step (fp16 storage tolerance)."""
+    _, utts = load_teacher(teacher)
+    utt = utts[0]
+    tg = extractor.history_target
+    enc = extractor.engine.encode(extractor.engine.log_mel([clips[0].load()]))
+    cache, cross = tg.new_cache(1, 16), tg.new_cross(1, enc.shape[1])
+    tg.fill_cross(enc, cross)
+    states = []
+    for pos, tok in enumerate(utt.tokens.tolist()):
+        _, h = tg.forward(torch.tensor([[tok]]), torch.tensor([[pos]]), cache, cross, kv_len=pos + 1)
+        states.append(h[0, 0].clone())
+    torch.testing.assert_close(torch.stack(states).half(), utt.history, atol=2e-2, rtol=1e-2)
+
+
+def test_extraction_resumes_and_refuses_other_settings(extractor, teacher, clips, tmp_path):
+    before = read_index(teacher)
+    again = extractor.extract(clips, teacher, progress=False)  # everything done: a no-op
+    assert again["shards"] == before["shards"]
+    from sglang_omni_flash.errors import UserError
+
+    with pytest.raises(UserError, match="other settings"):
+        extractor.extract(clips[:3], teacher, progress=False)
+
+
+def test_packed_blocks_equal_unpacked_reference(extractor, teacher):
+    from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+
+    _, utts = load_teacher(teacher)
+    model = extractor.engine.model
+    for u in utts:
+        u.history = u.history.float()
+    vocab = torch.tensor(sorted(set(range(2000)) | {t for u in utts for t in u.tokens.tolist()}))
+    for use_audio, use_history, draft_vocab in ((True, True, None), (True, True, vocab), (False, True, None), (True, False, vocab)):
+        torch.manual_seed(0)
+        drafter = WhisperFlashDrafter.from_target(
+            model, use_audio=use_audio, use_history=use_history, draft_vocab=draft_vocab
+        ).float()
+        g = torch.Generator().manual_seed(1)
+        part = utts[:3]
+        anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), 16, g) for u in part]
+        assert all(len(a) == len(set(a)) and a == sorted(a) for a in anchors)
+        batch = packing.pack(part, anchors, 8, use_history)
+        index = packing.vocab_index(getattr(drafter, "draft_vocab", None), drafter.config.vocab_size)
+        weights = packing.position_weights(8)
+        with torch.no_grad():
+            acoustic = drafter.acoustic_kv(torch.stack([u.encoder for u in part]).float()) if use_audio else None
+            loss, n, _, _ = packing.packed_loss(drafter, batch, acoustic, weights, index)
+            per_utt = [drafter.acoustic_kv(u.encoder[None].float()) if use_audio else None for u in part]
+            reference = packing.unpacked_loss(drafter, part, anchors, per_utt, weights, index)
+        assert int(n) > 0
+        assert abs(float(loss) - float(reference)) < 1e-5, (use_audio, use_history, float(loss), float(reference))
+
+
+def test_pack_masks_history_before_anchor_and_own_block_only():
+    class U:
+        def __init__(self, n):
+            self.tokens = torch.arange(n)
+            self.history = torch.zeros(n, 1, 4)
+
+    batch = packing.pack([U(12)], [[4, 7]], 3, use_history=True)
+    mask = batch.attn_mask[0, 0]  # [Q=8, Hmax=7 + 8]
+    h_max = batch.history.shape[1]
+    assert h_max == 7
+    assert mask[0, :h_max].tolist() == [True] * 4 + [False] * 3  # block 0 (anchor 4): history 0..3
+    assert mask[4, :h_max].tolist() == [True] * 7  # block 1 (anchor 7): history 0..6
+    assert mask[0, h_max:].tolist() == [True] * 4 + [False] * 4  # never another block
+    assert mask[5, h_max:].tolist() == [False] * 4 + [True] * 4
+    assert batch.labels[0].tolist() == [[5, 6, 7], [8, 9, 10]]
+    short = packing.pack([U(6)], [[3, 4]], 3, use_history=True)  # labels stop at the last token (EOS)
+    assert short.labels[0].tolist() == [[4, 5, -100], [5, -100, -100]]
+
+
+def test_loss_weights_and_schedule():
+    w = packing.position_weights(8)
+    assert torch.allclose(w, torch.exp(-torch.arange(8) / 4.0)) and w[0] == 1.0
+    opts = TrainOptions(teacher=("x",), out="y", steps=100, lr=1e-3, warmup=0.04)
+    assert lr_at(0, opts) == pytest.approx(2.5e-4) and lr_at(3, opts) == pytest.approx(1e-3)
+    assert lr_at(99, opts) < 1e-5 and lr_at(52, opts) == pytest.approx(5e-4, rel=1e-2)
+
+
+def _options(teacher, out, **kw):
+    base = dict(teacher=(str(teacher),), validation=(str(teacher),), out=str(out), model=kw.pop("model"),
+                steps=kw.pop("steps", 24), batch_size=2, anchors=8, lr=2e-3, eval_every=12, checkpoint_every=6,
+                draft_vocab_top=2000, threads=None)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_training_lowers_loss_and_raises_acceptance(teacher, tiny_en_model_dir, tmp_path):
+    trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir)), progress=False)
+    untrained = trainer.validate()
+    first_losses = [trainer.train_step() for _ in range(3)]
+    summary = trainer.run()
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
+    last_losses = [float(r["loss"]) for r in rows[-3:]]
+    assert sum(last_losses) / 3 < 0.6 * sum(first_losses) / 3, (first_losses, last_losses)
+    # a few updates on six clips: acceptance measurably above the untrained drafter's (~0)
+    assert summary["best_val_tau"] > untrained["tau"] + 0.03, (untrained, summary)
+    assert (tmp_path / "run" / "best" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
+
+    # the best checkpoint is a drafter directory the engine loads, with its draft vocabulary
+    from sglang_omni_flash.flash.checkpoint import load_drafter
+
+    drafter = load_drafter(tmp_path / "run" / "best", trainer.target)
+    assert drafter.config.draft_vocab_size == drafter.draft_vocab.numel() > 2000
+    assert torch.equal(drafter.draft_vocab.cpu(), trainer.drafter.draft_vocab.cpu())
+
+
+def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model_dir, tmp_path):
+    opts = dict(model=str(tiny_en_model_dir), steps=8, eval_every=4, checkpoint_every=4)
+    straight = Trainer(_options(teacher, tmp_path / "straight", **opts), progress=False)
+    straight.run()
+    interrupted = Trainer(_options(teacher, tmp_path / "resumed", **opts), progress=False)
+    interrupted.run(stop_after=4)  # killed right after the step-4 checkpoint
+    resumed = Trainer(_options(teacher, tmp_path / "resumed", **opts), progress=False)
+    resumed.run()
+    assert resumed.step == straight.step == 8
+    a, b = straight.drafter.state_dict(), resumed.drafter.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert math.isclose(straight.best_tau, resumed.best_tau)
