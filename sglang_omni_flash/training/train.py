@@ -233,7 +233,7 @@ class Trainer:
         return float(loss.detach())
 
     @torch.no_grad()
-    def validate(self, utts=None, max_anchors: int = 64) -> dict:
+    def validate(self, utts=None, max_anchors: int = 24) -> dict:
         """Greedy accepted-prefix statistics over (up to max_anchors per utterance) anchors of held-out data."""
         utts = self.val if utts is None else utts
         if not utts:
