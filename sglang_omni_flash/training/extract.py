@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from sglang_omni_flash.engine.proposers import OracleProposer
 from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.training.sources import Clip
 
@@ -55,21 +56,17 @@ class ExtractOptions:
 # ------------------------------------------------------------------------------ proposer
 
 
-class ReferenceLookupProposer:
+class ReferenceLookupProposer(OracleProposer):
     """Proposes the reference transcript's continuation after the last emitted tokens.
 
     Exactness never depends on it (the target verifies every candidate); it only decides how many
     target calls the greedy run takes. The continuation is looked up after the latest occurrence of
-    the last two emitted tokens in the reference (then the last one), else by position.
+    the last two emitted tokens in the reference (then the last one), else by position. Everything
+    but the lookup is the oracle's (`continuations` holds the references by request id).
     """
 
-    def __init__(self, references: dict[int, list[int]], block_size: int, pad: int):
-        self.references = references
-        self.block_size = block_size
-        self.pad = pad
-
     def guess(self, rid: int, generated: list[int]) -> list[int]:
-        ref = self.references.get(rid, [])
+        ref = self.continuations[rid]
         start = None
         for n in (2, 1):
             if len(generated) >= n:
@@ -84,18 +81,6 @@ class ReferenceLookupProposer:
             start = len(generated)
         out = ref[start : start + self.block_size]
         return out + [self.pad] * (self.block_size - len(out))
-
-    def propose(self, inputs):
-        from sglang_omni_flash.engine.speculative import Proposal
-
-        rows = [self.guess(rid, gen) for rid, gen in zip(inputs.request_ids, inputs.generated)]
-        return Proposal(tokens=torch.tensor(rows, dtype=torch.long, device=inputs.anchor.device))
-
-    def observe(self, states, positions) -> None:
-        pass
-
-    def retire(self, keep) -> None:
-        pass
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -172,8 +157,8 @@ class TeacherExtractor:
         encoder_out = eng.encode(eng.log_mel(waves))  # [n, T_enc, d]
         tok = eng.tokenizer
         eos = eng.special.eos
-        refs = {i: tok.encode(" " + c.text.strip(), add_special_tokens=False) + [eos] for i, c in enumerate(clips)}
-        proposer = ReferenceLookupProposer(refs, self.options.lookup_block, pad=eos)
+        refs = [tok.encode(" " + c.text.strip(), add_special_tokens=False) + [eos] for c in clips]
+        proposer = ReferenceLookupProposer(refs, block_size=self.options.lookup_block, pad=eos)
         results = eng.decode(encoder_out=encoder_out, speculative=True, proposer=proposer)
 
         sequences = [r.prompt + r.tokens for r in results]

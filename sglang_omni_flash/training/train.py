@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -221,7 +222,7 @@ class Trainer:
         batch = _to(batch, self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, opts)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _null()
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         with autocast:
             acoustic = self._acoustic(utts)
             loss, _, _, _ = packing.packed_loss(self.drafter, batch, acoustic, self.weights, self.index)
@@ -343,14 +344,6 @@ class Trainer:
         (self.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
         plot_curve(self.out / LOG_CSV, self.out / "learning_curve.png")
         return summary
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
