@@ -46,6 +46,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def started_server(options):
+    """A started, healthy `Server` (stop it when done); if it fails to start, the tail of its log
+    is printed (pytest shows it with the failure) and the error re-raised."""
+    from sglang_omni_flash.serving.launch import Server
+
+    srv = Server(options)
+    try:
+        srv.__enter__()  # start, wait until healthy, stop again on failure
+    except Exception:
+        if options.log_file is not None and options.log_file.is_file():
+            print(options.log_file.read_text(errors="replace")[-5000:])
+        raise
+    return srv
+
+
 def transformers_transcripts(model_dir: Path, clips, **generate_kwargs) -> dict[str, str]:
     """transformers `generate()` text per clip id (fp32, SDPA, greedy): the servers' reference."""
     import soundfile as sf

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import free_port, transformers_transcripts
+from conftest import free_port, started_server, transformers_transcripts
 
 pytest.importorskip("sglang_omni")
 
@@ -52,18 +52,11 @@ def reference_texts(tiny_en_model_dir, clips):
 
 @pytest.fixture(scope="module")
 def server(tiny_en_model_dir, tmp_path_factory):
-    from sglang_omni_flash.serving.launch import Server, ServeOptions
+    from sglang_omni_flash.serving.launch import ServeOptions
 
     work = tmp_path_factory.mktemp("server-en")
     options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log")
-    srv = Server(options)
-    srv.start()
-    try:
-        srv.wait_ready()
-    except Exception:
-        srv.stop()
-        print((work / "sgl-omni.log").read_text(errors="replace")[-5000:])
-        raise
+    srv = started_server(options)
     yield srv
     srv.stop()
 

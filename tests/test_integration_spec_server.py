@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import free_port
-from sglang_omni_flash.serving.launch import Server, ServeOptions
+from conftest import free_port, started_server
+from sglang_omni_flash.serving.launch import ServeOptions
 
 pytestmark = pytest.mark.server
 
@@ -64,18 +64,6 @@ def body_of(resp, fmt):
     return resp.json() if fmt.endswith("json") else resp.text
 
 
-def start(options: ServeOptions) -> Server:
-    srv = Server(options)
-    srv.start()
-    try:
-        srv.wait_ready()
-    except Exception:
-        srv.stop()
-        print(options.log_file.read_text(errors="replace")[-5000:])
-        raise
-    return srv
-
-
 def answer(resp, fmt):
     """(status, body): srt of a chunked (> 30 s) clip is a 400 in sglang-omni, the same for both servers."""
     return resp.status_code, (resp.json() if fmt.endswith("json") or resp.status_code != 200 else resp.text)
@@ -95,7 +83,7 @@ def all_formats(server, clips) -> dict[str, dict[str, object]]:
 @pytest.fixture(scope="module")
 def plain_results(base_model_dir, clips, tmp_path_factory):
     log = tmp_path_factory.mktemp("plain") / "sgl-omni.log"
-    srv = start(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log))
+    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log))
     try:
         return all_formats(srv, clips)
     finally:
@@ -106,7 +94,7 @@ def plain_results(base_model_dir, clips, tmp_path_factory):
 def spec_server(base_model_dir, plain_results, tmp_path_factory):
     """Starts after the plain server is gone (plain_results), so the two never share the cores."""
     log = tmp_path_factory.mktemp("spec") / "sgl-omni.log"
-    srv = start(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
+    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
                              extra_args=("--asr.speculative", "whisper-flash")))
     yield srv
     srv.stop()

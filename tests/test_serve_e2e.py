@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from sglang_omni_flash.serving.launch import Server, ServeOptions, live_group_members
-from conftest import free_port, transformers_transcripts
+from conftest import free_port, started_server, transformers_transcripts
 
 pytestmark = pytest.mark.server
 
@@ -39,14 +39,7 @@ def reference_texts(base_model_dir, clips):
 def server(base_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "sgl-omni.log"
     options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log)
-    srv = Server(options)
-    srv.start()
-    try:
-        srv.wait_ready()
-    except Exception:
-        srv.stop()
-        print(log.read_text(errors="replace")[-5000:])
-        raise
+    srv = started_server(options)
     yield srv
     srv.stop()
     assert srv.process is None
