@@ -35,7 +35,7 @@ RESOLVE = textwrap.dedent("""
         stage = config.stage_named("asr")
         kwargs = resolve_stage_factory_args(stage, config)
         return {"config_cls": type(config).__name__, "factory_path": stage.factory_path,
-                "kwargs": {k: v for k, v in kwargs.items()}}
+                "http_routes": list(stage.http_routes), "kwargs": {k: v for k, v in kwargs.items()}}
 
     out = {}
     for name, source in json.loads(sys.argv[1]).items():
@@ -110,6 +110,12 @@ def test_without_the_flag_the_factory_gets_exactly_the_stock_kwargs(resolved):
     assert stock["factory_path"] == STOCK_FACTORY
     assert not any(k.startswith("speculative") for k in plain["kwargs"])
     assert plain["kwargs"] == stock["kwargs"]
+
+
+def test_speculation_adds_the_metrics_route_and_only_then(resolved):
+    """The worker's metrics are served by the ASR stage itself (sglang-omni stage http_routes)."""
+    assert resolved["flag"]["http_routes"] == resolved["flash_yaml"]["http_routes"] == ["/whisper-flash"]
+    assert resolved["plain"]["http_routes"] == resolved["stock_class"]["http_routes"] == []
 
 
 def test_yaml_config_cls_resolves_plugin_and_stock_classes(resolved):

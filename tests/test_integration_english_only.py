@@ -70,3 +70,39 @@ def test_tiny_en_server_text_equals_transformers_generate(server, clips, referen
                                  files={"file": (clip.audio.name, fh, "audio/wav")}, timeout=300)
         assert resp.status_code == 200, resp.text
         assert resp.json()["text"].strip() == reference_texts[clip.id], clip.id
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_en_model_dir, tmp_path_factory):
+    """`--asr.speculative whisper-flash` on tiny.en with a drafter made from tiny.en's own first two
+    decoder blocks (untrained: it proposes, the target rejects, so the worker's prefill, verify and
+    fall-back paths all run with the English-only prompt)."""
+    import torch
+    from transformers import WhisperForConditionalGeneration
+
+    from sglang_omni_flash.flash.checkpoint import save_drafter
+    from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+    from sglang_omni_flash.serving.launch import ServeOptions
+
+    work = tmp_path_factory.mktemp("server-en-spec")
+    target = WhisperForConditionalGeneration.from_pretrained(tiny_en_model_dir, torch_dtype=torch.float32)
+    drafter_dir = save_drafter(WhisperFlashDrafter.from_target(target), work / "drafter")
+    options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log",
+                           extra_args=("--asr.speculative", "whisper-flash",
+                                       "--asr.speculative_draft_model_path", str(drafter_dir)))
+    srv = started_server(options)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.server
+def test_tiny_en_speculative_server_text_equals_transformers_generate(spec_server, clips, reference_texts):
+    for clip in clips:
+        with open(clip.audio, "rb") as fh:
+            resp = requests.post(f"{spec_server.url}/v1/audio/transcriptions",
+                                 data={"model": "whisper", "response_format": "json"},
+                                 files={"file": (clip.audio.name, fh, "audio/wav")}, timeout=300)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text"].strip() == reference_texts[clip.id], clip.id
+    stats = requests.get(f"{spec_server.url}/whisper-flash/stats", timeout=30).json()["totals"]
+    assert stats["requests"] == len(clips) and stats["proposed_tokens"] > 0  # the worker decoded them

@@ -25,6 +25,17 @@ pytestmark = pytest.mark.server
 
 N_CLIPS = 20  # + one > 30 s clip made by concatenation
 FORMATS = ("json", "verbose_json", "srt")
+# The other request options, each on the first N_OPTION_CLIPS clips: (endpoint, form).
+OPTION_REQUESTS = {
+    "text": ("transcriptions", {"response_format": "text"}),
+    "vtt": ("transcriptions", {"response_format": "vtt"}),
+    "language": ("transcriptions", {"response_format": "json", "language": "en"}),
+    "prompt": ("transcriptions", {"response_format": "json",
+                                  "prompt": "Botchan, Red Shirt, Porcupine and the Madonna."}),
+    "translation": ("translations", {"response_format": "json"}),
+    "translation-text": ("translations", {"response_format": "text"}),
+}
+N_OPTION_CLIPS = 4
 FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(\d+%\) target_calls=(\d+) "
                          r"kv_free=(\d+)(?: ids=\[([\d, ]*)\])?")
 
@@ -53,9 +64,9 @@ def clips(test_clips, tmp_path_factory):
     return [*picked, long_clip]
 
 
-def transcribe(server, clip, **form):
+def transcribe(server, clip, endpoint="transcriptions", **form):
     with open(clip.audio, "rb") as fh:
-        return requests.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper", **form},
+        return requests.post(f"{server.url}/v1/audio/{endpoint}", data={"model": "whisper", **form},
                              files={"file": (clip.audio.name, fh, "audio/wav")}, timeout=600)
 
 
@@ -70,12 +81,18 @@ def answer(resp, fmt):
 
 
 def all_formats(server, clips) -> dict[str, dict[str, object]]:
-    """Every clip in every format, 4 requests at a time (json first: it fills the encoder cache)."""
+    """Every clip in every format, 4 requests at a time (json first: it fills the encoder cache),
+    then the other request options on the first clips."""
     out = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
         for fmt in FORMATS:
             answers = pool.map(lambda c: answer(transcribe(server, c, response_format=fmt), fmt), clips)
             out[fmt] = dict(zip((c.id for c in clips), answers))
+        for name, (endpoint, form) in OPTION_REQUESTS.items():
+            fmt = form.get("response_format", "json")
+            answers = pool.map(lambda c: answer(transcribe(server, c, endpoint=endpoint, **form), fmt),
+                               clips[:N_OPTION_CLIPS])
+            out[name] = dict(zip((c.id for c in clips), answers))
     assert all(status == 200 for status, _ in out["json"].values()), out["json"]
     return out
 
@@ -120,6 +137,16 @@ def test_speculative_output_is_identical_to_plain(plain_results, spec_results, c
     assert sum(status == 200 for status, _ in spec_results[fmt].values()) >= N_CLIPS
     different = [c.id for c in clips if spec_results[fmt][c.id] != plain_results[fmt][c.id]]
     assert not different, {cid: (plain_results[fmt][cid], spec_results[fmt][cid]) for cid in different[:3]}
+
+
+@pytest.mark.parametrize("option", sorted(OPTION_REQUESTS))
+def test_request_options_are_identical_to_plain(plain_results, spec_results, clips, option):
+    """text / vtt formats, language, prompt and /v1/audio/translations under speculation."""
+    for clip in clips[:N_OPTION_CLIPS]:
+        status, body = spec_results[option][clip.id]
+        assert status == 200, (option, clip.id, body)
+        assert (status, body) == plain_results[option][clip.id], (option, clip.id)
+    assert any(str(body).strip() for _, body in spec_results[option].values())
 
 
 def test_long_audio_goes_through_chunking_identically(plain_results, spec_results):
@@ -234,3 +261,33 @@ def test_temperature_sampling_goes_through_the_rejection_rule(spec_server, clips
     new = finish_lines(spec_server)[before:]
     assert any(line[5] for line in new)  # finished with ids
     assert sum(line[1] for line in new) > 0  # drafts were proposed under sampling
+
+
+def test_acceptance_metrics_are_exported_by_the_stage(spec_server, spec_results):
+    """GET /whisper-flash/metrics (Prometheus) and /whisper-flash/stats (JSON), served by the ASR
+    stage's own process through sglang-omni's stage routes, agree with the worker's log lines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = requests.get(f"{spec_server.url}/whisper-flash/metrics", timeout=30)
+    assert resp.status_code == 200, resp.text[:500]
+    assert resp.headers["content-type"].startswith("text/plain")
+    samples = {s.name: s.value for family in text_string_to_metric_families(resp.text)
+               for s in family.samples if not s.labels}
+    stats = requests.get(f"{spec_server.url}/whisper-flash/stats", timeout=30).json()
+    totals = stats["totals"]
+    lines = finish_lines(spec_server)
+    left = [line for line in lines if line[5] is not None]
+    assert totals["requests"] >= len(left) >= 3 * N_CLIPS
+    assert samples["whisper_flash_requests_total"] == totals["requests"]
+    assert samples["whisper_flash_accepted_tokens_total"] == totals["accepted_tokens"] > 0
+    assert samples["whisper_flash_proposed_tokens_total"] == totals["proposed_tokens"] >= totals["accepted_tokens"]
+    assert samples["whisper_flash_num_draft_tokens"] == 8
+    assert totals["output_tokens"] >= sum(len(line[5]) for line in left)
+    by_rid = {line[0]: line for line in left}
+    recent = [r for r in stats["recent"] if r["rid"] in by_rid]
+    assert recent
+    for r in recent:  # the exported per-request figures are the logged ones
+        rid, proposed, accepted, calls, _, ids = by_rid[r["rid"]]
+        assert (r["proposed"], r["accepted"], r["target_calls"], r["output_tokens"]) == (
+            proposed, accepted, calls, len(ids))
+    assert 0 < stats["recent_tokens_per_target_call"] < 9

@@ -34,6 +34,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     test_set.add_argument("--quiet", action="store_true", help="no progress bar")
     test_set.set_defaults(func=_test_set)
 
+    pack = sub.add_parser("pack", help="join clips of one voice into clips of up to --max-seconds "
+                          "(more tokens per encoder pass for extraction); prints its manifest path")
+    pack.add_argument("--manifest", type=Path, action="append", required=True,
+                      help="JSONL manifest (repeatable)")
+    pack.add_argument("--out", type=Path, required=True, help="output folder")
+    pack.add_argument("--max-seconds", type=float, default=28.0,
+                      help="longest packed clip (default 28; Whisper's window is 30)")
+    pack.add_argument("--gap-seconds", type=float, default=0.4, help="pause between parts")
+    pack.add_argument("--quiet", action="store_true", help="no progress bar")
+    pack.set_defaults(func=_pack)
+
     voices = sub.add_parser("voices", help="list the voices and whether each is installed")
     voices.set_defaults(func=_voices)
 
@@ -66,6 +77,14 @@ def _test_set(args: argparse.Namespace) -> int:
     print(paths.synth)
     print(paths.librivox)
     print(paths.combined)
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus.pack import pack_corpus
+
+    print(pack_corpus(args.manifest, args.out, args.max_seconds, args.gap_seconds,
+                      progress=not args.quiet))
     return 0
 
 

@@ -22,6 +22,8 @@ from sglang_omni.models.whisper_asr.config import (
     WhisperASRStageConfig,
 )
 
+from sglang_omni_flash.integration.metrics import ROUTE_PREFIX as METRICS_ROUTE
+
 FACTORY_PATH = "sglang_omni_flash.integration.stages.create_whisper_flash_asr_executor"
 SPECULATIVE_ALGORITHMS = ("whisper-flash",)
 
@@ -60,6 +62,12 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
                 "asr.speculative is not: add --asr.speculative whisper-flash (or drop them)"
             )
         return self
+
+    def model_post_init(self, __context: object = None) -> None:
+        # The worker's acceptance metrics are served by this stage's own process (metrics.py).
+        if self.speculative is not None and METRICS_ROUTE not in self.http_routes:
+            self.http_routes = [*self.http_routes, METRICS_ROUTE]
+        super().model_post_init(__context)
 
     def speculative_options(self) -> dict[str, object]:
         """The factory kwargs of the speculative fields; empty when speculation is off."""

@@ -98,6 +98,18 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         self.runner = None
         self.step_tokens: dict[str, list[int]] = {}  # shared by the runner and the stream builder
 
+    def build(self, *args, **kwargs):
+        scheduler = super().build(*args, **kwargs)
+        runner = self.runner
+
+        def http_app():  # the stage serves it under the http_routes its config lists (metrics.py)
+            from sglang_omni_flash.integration.metrics import metrics_app
+
+            return metrics_app(runner.metrics)
+
+        scheduler.http_app = http_app
+        return scheduler
+
     def adjust_overrides(self, overrides: dict[str, object]) -> None:
         super().adjust_overrides(overrides)
         page_size = int(overrides.get("page_size") or 1)

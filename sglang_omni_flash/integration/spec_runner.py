@@ -37,6 +37,7 @@ from torch import Tensor
 from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.flash.accept import greedy_accept, probs_from_logits, sample_tokens, speculative_sample
+from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
 logger = logging.getLogger("sglang_omni_flash.spec")
@@ -168,6 +169,7 @@ class WhisperFlashModelRunner(ModelRunner):
         self.states: dict[str, DraftState] = {}
         self.step_tokens: dict[str, list[int]] = {}  # rid -> tokens emitted this step (for streaming)
         self.totals = SpecStats()
+        self.metrics = SpecMetrics(self)  # exported by the stage's /whisper-flash routes
         self.timing = {"draft": 0.0, "draft_steps": 0, "verify": 0.0, "accept": 0.0, "spec_steps": 0, "stock": 0.0, "stock_steps": 0}
         self._stock_t0 = 0.0
         self._plain_step = False
@@ -181,7 +183,7 @@ class WhisperFlashModelRunner(ModelRunner):
     def lookahead_eligible(self, batch) -> bool:
         return False  # a step commits a variable number of tokens: no one-step lookahead
 
-    def forget(self, rid: str, output_ids: list[int] | None = None) -> None:
+    def forget(self, rid: str, output_ids: list[int] | None = None, leaving: bool = True) -> None:
         """Drop a request's drafter state (finish / abort / disconnect) and log its acceptance.
 
         The line also carries the KV pool's free slots after the release (an idle server must
@@ -192,6 +194,8 @@ class WhisperFlashModelRunner(ModelRunner):
         if state is None and output_ids is None:
             return
         stats = state.stats if state is not None else SpecStats()
+        if leaving:
+            self.metrics.record(rid, stats, None if output_ids is None else len(output_ids))
         free = self.tp_worker.model_runner.token_to_kv_pool_allocator.available_size()
         ids = "" if output_ids is None else f" ids={list(output_ids)}"
         logger.info("whisper-flash %s: %s kv_free=%d%s", rid, stats.line(), free, ids)
@@ -237,7 +241,7 @@ class WhisperFlashModelRunner(ModelRunner):
         self._prefill_capture = (None, [])
         reqs = schedule_batch.reqs
         for req in reqs:
-            self.forget(req.rid)  # (re-)prefill starts the request's drafter state afresh
+            self.forget(req.rid, leaving=False)  # (re-)prefill starts the request's drafter state afresh
         if states is None or forward_batch is None:
             return
         encoder_flat = torch.cat(encoder) if encoder else None
@@ -282,7 +286,7 @@ class WhisperFlashModelRunner(ModelRunner):
             state = self.states.get(req.rid)
             L = int(seq_lens[i]) - 1
             if state is not None and state.length != L:
-                self.forget(req.rid)
+                self.forget(req.rid, leaving=False)  # out of step: it decodes on without drafts
                 state = None
             budget = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
             k = max(0, min(self.k, budget, self.max_positions - 1 - L)) if state is not None else 0
@@ -472,7 +476,7 @@ class WhisperFlashModelRunner(ModelRunner):
             L = int(seq_lens[i]) - 1
             state.stats.target_calls += 1
             if states is None or states.shape[0] != len(schedule_batch.reqs) or state.length != L:
-                self.forget(req.rid)  # hooks did not fire (a graph replay): no more drafts for it
+                self.forget(req.rid, leaving=False)  # hooks did not fire (a graph replay): no more drafts for it
                 continue
             with torch.inference_mode():
                 self._append_history(state, states[i: i + 1], L)
