@@ -325,14 +325,10 @@ class WhisperFlashModelRunner(ModelRunner):
     def _draft(self, plans: list[_Plan], schedule_batch) -> None:
         """Candidates (and q at T > 0) per request; k cut where the drafter's confidence drops."""
         reqs = schedule_batch.reqs
-        for p in plans:
-            if p.k == 0:
-                continue
+        active = [p for p in plans if p.k]
+        for p, logits in zip(active, self._draft_logits(active)):
             req, st = reqs[p.index], p.state
-            hist = [(k[:, :, : p.prefix_len], v[:, :, : p.prefix_len]) for k, v in st.hist]
-            pos = torch.tensor([p.prefix_len], device=self._device)
-            anchor = torch.tensor([p.anchor], device=self._device)
-            logits = self.drafter(anchor, pos, hist, pos, st.acoustic)[0, : p.k].float()  # [k, V]
+            logits = logits[: p.k].float()  # [k, V]
             bias = self._bias(schedule_batch, p.index)
             if bias is not None:
                 logits = logits + bias.to(logits.device, logits.dtype)
@@ -350,6 +346,35 @@ class WhisperFlashModelRunner(ModelRunner):
                 p.draft_probs = p.draft_probs[: p.k]
             if p.k == 0:
                 self._back_off(st)
+
+    def _draft_logits(self, active: list[_Plan]) -> list[Tensor]:
+        """One drafter forward for all drafting requests -> logits [K, V] per plan.
+
+        On a CPU every per-request call re-reads the drafter's weights and head (memory-bound
+        matrix-vector work), so requests are drafted together: histories are cut to the longest
+        prefix of the batch (each request's own length masks the rest, `history_len`) and the
+        acoustic K/V, the same length for every Whisper request (one 30 s window), are stacked.
+        Batching changes the drafts by float rounding at most, and the target verifies every one."""
+        if not active:
+            return []
+        longest = max(p.prefix_len for p in active)
+        n_layers = len(active[0].state.hist)
+        hist = [tuple(torch.cat([p.state.hist[i][j][:, :, :longest] for p in active]) for j in (0, 1))
+                for i in range(n_layers)]
+        acoustic_lengths = {tuple(k.shape[2] for k, _ in p.state.acoustic) for p in active}
+        if len(acoustic_lengths) == 1:
+            acoustic = [tuple(torch.cat([p.state.acoustic[i][j] for p in active]) for j in (0, 1))
+                        for i in range(len(active[0].state.acoustic))]
+            pos = torch.tensor([p.prefix_len for p in active], device=self._device)
+            anchor = torch.tensor([p.anchor for p in active], device=self._device)
+            return list(self.drafter(anchor, pos, hist, pos, acoustic).unbind(0))
+        out = []  # acoustic memories of different lengths: one call each
+        for p in active:
+            pos = torch.tensor([p.prefix_len], device=self._device)
+            one = [(k[:, :, : p.prefix_len], v[:, :, : p.prefix_len]) for k, v in p.state.hist]
+            out.append(self.drafter(torch.tensor([p.anchor], device=self._device), pos, one, pos,
+                                    p.state.acoustic)[0])
+        return out
 
     def _speculate(self, plans: list[_Plan], extra: Tensor, schedule_batch):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
