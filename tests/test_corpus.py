@@ -168,3 +168,52 @@ def test_cli_synth_rejects_unknown_voice(capsys, tmp_path):
     code = cli_main(args)
     assert code == 2
     assert "unknown flite voice" in capsys.readouterr().err
+
+
+def _tone_clip(folder: Path, clip_id: str, seconds: float, voice: str) -> Utterance:
+    import numpy as np
+
+    wav = folder / f"{clip_id}.wav"
+    t = np.arange(int(16000 * seconds)) / 16000
+    sf.write(str(wav), (0.1 * np.sin(2 * np.pi * 220 * t)).astype("float32"), 16000, subtype="PCM_16")
+    return Utterance(id=clip_id, audio=wav, text=f"text of {clip_id}.", duration=seconds, voice=voice,
+                     split="train", source="test")
+
+
+def test_pack_joins_clips_of_one_voice_up_to_the_limit_and_resumes(tmp_path, capsys):
+    from sglang_omni_flash.corpus.pack import plan_packs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    plan = [("a0", 10.0, "v1"), ("b0", 12.0, "v2"), ("a1", 9.0, "v1"), ("a2", 9.0, "v1"),
+            ("b1", 20.0, "v2"), ("a3", 31.0, "v1")]
+    clips = [_tone_clip(src, cid, sec, voice) for cid, sec, voice in plan]
+    manifest = write_manifest(src / "manifest.jsonl", clips)
+
+    packs = plan_packs(clips, max_seconds=28.0, gap_seconds=0.5)
+    assert [[c.id for c in p] for p in packs] == [["a0", "a1"], ["b0"], ["a2"], ["a3"], ["b1"]]
+
+    out = tmp_path / "packed"
+    args = ["corpus", "pack", "--manifest", str(manifest), "--out", str(out), "--max-seconds", "28",
+            "--gap-seconds", "0.5", "--quiet"]
+    assert cli_main(args) == 0
+    packed = read_manifest(Path(capsys.readouterr().out.strip()))
+    assert [u.meta["parts"] for u in packed] == [["a0", "a1"], ["b0"], ["a2"], ["a3"], ["b1"]]
+    first = packed[0]
+    assert first.text == "text of a0. text of a1." and first.voice == "v1"
+    audio, rate = sf.read(str(first.audio))
+    assert rate == 16000 and abs(len(audio) / rate - first.duration) < 1e-3
+    assert abs(first.duration - 19.5) < 1e-6  # 10 + 0.5 pause + 9
+    stamp = first.audio.stat().st_mtime_ns
+    assert cli_main(args) == 0  # a re-run keeps what is there
+    assert first.audio.stat().st_mtime_ns == stamp
+
+
+def test_pack_refuses_a_limit_beyond_one_whisper_window(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    manifest = write_manifest(src / "manifest.jsonl", [_tone_clip(src, "a", 2.0, "v")])
+    code = cli_main(["corpus", "pack", "--manifest", str(manifest), "--out", str(tmp_path / "o"),
+                     "--max-seconds", "45"])
+    assert code != 0
+    assert "--max-seconds must be within 1..30" in capsys.readouterr().err
