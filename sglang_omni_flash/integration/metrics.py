@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 
 ROUTE_PREFIX = "/whisper-flash"
 RECENT_REQUESTS = 256
+RECORDED_RIDS = 4096
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class SpecMetrics:
         self.aborted = 0
         self.output_tokens = 0
         self._recent: deque[FinishedRequest] = deque(maxlen=recent)
+        self._recorded: OrderedDict[str, None] = OrderedDict()  # rids counted (an abort may be followed by a finish)
         self._lock = threading.Lock()
 
     def record(self, rid: str, stats, output_tokens: int | None) -> None:
@@ -52,6 +54,11 @@ class SpecMetrics:
                                target_calls=stats.target_calls, output_tokens=int(output_tokens or 0),
                                finished=output_tokens is not None, at=time.time())
         with self._lock:
+            if rid in self._recorded:
+                return
+            self._recorded[rid] = None
+            if len(self._recorded) > RECORDED_RIDS:
+                self._recorded.popitem(last=False)
             self.requests += 1
             self.aborted += int(not done.finished)
             self.output_tokens += done.output_tokens
