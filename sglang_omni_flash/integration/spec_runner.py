@@ -357,12 +357,11 @@ class WhisperFlashModelRunner(ModelRunner):
         Batching changes the drafts by float rounding at most, and the target verifies every one."""
         if not active:
             return []
-        longest = max(p.prefix_len for p in active)
-        n_layers = len(active[0].state.hist)
-        hist = [tuple(torch.cat([p.state.hist[i][j][:, :, :longest] for p in active]) for j in (0, 1))
-                for i in range(n_layers)]
         acoustic_lengths = {tuple(k.shape[2] for k, _ in p.state.acoustic) for p in active}
         if len(acoustic_lengths) == 1:
+            longest = max(p.prefix_len for p in active)
+            hist = [tuple(torch.cat([p.state.hist[i][j][:, :, :longest] for p in active]) for j in (0, 1))
+                    for i in range(len(active[0].state.hist))]
             acoustic = [tuple(torch.cat([p.state.acoustic[i][j] for p in active]) for j in (0, 1))
                         for i in range(len(active[0].state.acoustic))]
             pos = torch.tensor([p.prefix_len for p in active], device=self._device)
