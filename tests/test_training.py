@@ -174,3 +174,28 @@ def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert math.isclose(straight.best_tau, resumed.best_tau)
+
+
+def test_warm_start_begins_from_the_given_drafter_and_refuses_another_shape(teacher, tiny_en_model_dir, tmp_path):
+    from sglang_omni_flash.errors import UserError
+    from sglang_omni_flash.flash.checkpoint import load_drafter
+
+    first = Trainer(_options(teacher, tmp_path / "first", model=str(tiny_en_model_dir), steps=4, eval_every=4),
+                    progress=False)
+    first.run()
+    best = tmp_path / "first" / "best"
+    warm = Trainer(_options(teacher, tmp_path / "warm", model=str(tiny_en_model_dir), init=str(best)), progress=False)
+    saved = load_drafter(best, warm.target, dtype=torch.float32).state_dict()
+    mine = warm.drafter.state_dict()
+    assert saved.keys() == mine.keys()
+    for key in saved:
+        assert torch.equal(saved[key].cpu(), mine[key].cpu()), key  # every weight, before any update
+    # it starts where the first run's best checkpoint ended (that checkpoint is fp16: loose tolerance)
+    import json
+
+    best_metrics = json.loads((best / "metrics.json").read_text())
+    assert warm.validate()["loss"] == pytest.approx(best_metrics["loss"], rel=2e-3)
+
+    with pytest.raises(UserError, match="use_history"):
+        Trainer(_options(teacher, tmp_path / "ablation", model=str(tiny_en_model_dir), use_history=False,
+                         init=str(best)), progress=False)

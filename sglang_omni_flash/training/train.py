@@ -61,6 +61,7 @@ class TrainOptions:
     freeze_acoustic_kv: bool = True
     draft_vocab_top: int = 16000  # 0 = full vocabulary
     block_size: int = 8
+    init: str = ""  # warm start: a drafter directory (same target and shape) whose weights start the run
     threads: int | None = None
     device: str = "auto"
 
@@ -134,6 +135,8 @@ class Trainer:
             use_history=options.use_history,
             draft_vocab=draft_vocab,
         ).float().to(self.device)
+        if options.init:
+            self._warm_start(options.init)
         if options.freeze_acoustic_kv and options.use_audio:
             for layer in self.drafter.layers:
                 for p in (*layer.acoustic_attn.k_proj.parameters(), *layer.acoustic_attn.v_proj.parameters()):
@@ -176,6 +179,26 @@ class Trainer:
         for utt in self.train:
             ids |= set(utt.tokens[utt.prompt_len :].tolist())
         return torch.tensor(sorted(ids), dtype=torch.long)
+
+    def _warm_start(self, path: str) -> None:
+        """Start from a trained drafter's weights (fine-tuning on new data, or a longer second run).
+
+        Only the draft vocabulary is this run's own: it is an index into the shared target head, not a
+        weight, so new training labels may widen it. Everything else must match this run's shape.
+        """
+        from sglang_omni_flash.flash.checkpoint import load_drafter
+
+        source = load_drafter(path, self.target, device=self.device, dtype=torch.float32)
+        mine, theirs = self.drafter.config, source.config
+        for name in ("d_model", "n_layers", "block_size", "history_layers", "use_audio", "use_history"):
+            if getattr(mine, name) != getattr(theirs, name):
+                raise UserError(
+                    f"--init {path}: its {name} is {getattr(theirs, name)}, this run needs {getattr(mine, name)}"
+                )
+        state = {k: v for k, v in source.state_dict().items() if k != "draft_vocab"}
+        missing, unexpected = self.drafter.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if k != "draft_vocab"]:
+            raise UserError(f"--init {path}: weights do not fit ({missing or unexpected})")
 
     def _acoustic(self, utts):
         """Per layer (k, v) [U, H, T, hd] for these utterances (cached when the projections are frozen)."""

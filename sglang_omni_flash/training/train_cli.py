@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="also train the acoustic K/V projections (paper; slower on CPU)")
     tr.add_argument("--draft-vocab-top", type=int, default=d.draft_vocab_top,
                     help="draft vocabulary: ids below this + specials + training labels (0 = full vocabulary)")
+    tr.add_argument("--init", default="", metavar="DRAFTER",
+                    help="warm start from this drafter directory (same target and shape), e.g. the shipped one")
     tr.add_argument("--threads", type=int, default=None)
     tr.add_argument("--device", default="auto")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -77,7 +79,7 @@ def _train(args) -> int:
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
         freeze_acoustic_kv=not args.train_acoustic_kv, draft_vocab_top=args.draft_vocab_top,
-        threads=args.threads, device=args.device,
+        init=str(Path(args.init).resolve()) if args.init else "", threads=args.threads, device=args.device,
     )
     summary = Trainer(options, progress=not args.quiet).run()
     print(json.dumps(summary, indent=1))
