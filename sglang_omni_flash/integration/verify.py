@@ -43,6 +43,25 @@ class VerifyOutput:
     offsets: list[int]  # start row of each request in the flat outputs
 
 
+def _rows(buf: Tensor, slots: Tensor, start: int | None) -> Tensor:
+    """buf[slots]; a slice when the slots are one ascending run from `start` (no copy).
+
+    Both are the same contiguous [S, H, hd] values with the same strides, so attention over
+    them gives bit-identical results; the slice only skips copying 1,500 encoder rows per layer
+    and request, which on a CPU costs more than the attention itself (measured 3.6 vs 1.5 ms)."""
+    return buf[start: start + slots.numel()] if start is not None else buf[slots]
+
+
+def _run_start(slots: Tensor) -> int | None:
+    """The first slot if `slots` is one ascending run of consecutive slots, else None."""
+    if slots.numel() == 0:
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != slots.numel() - 1 or (slots.numel() > 1 and not bool((slots.diff() == 1).all())):
+        return None
+    return first
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """q [n, H, hd], k/v [S, H, hd] -> [n, H*hd]."""
     o = F.scaled_dot_product_attention(
@@ -73,6 +92,7 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
     ]).long()
     self_slots = [t[r.encoder_len: r.encoder_len + r.prefix_len + n].long() for t, r, n in zip(table, rows, lengths)]
     cross_slots = [t[: r.encoder_len].long() for t, r in zip(table, rows)]
+    cross_starts = [_run_start(slots) for slots in cross_slots]  # encoder slots are allocated at once
     causal = [
         torch.arange(r.prefix_len + n, device=device)[None, :]
         <= (r.prefix_len + torch.arange(n, device=device))[:, None]
@@ -102,7 +122,8 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         q = ca.q_proj(x).reshape(-1, ca.num_heads, ca.head_dim)
         kbuf, vbuf = kv_pool.get_key_buffer(ca.attn.layer_id), kv_pool.get_value_buffer(ca.attn.layer_id)
         o = torch.cat([
-            _attend(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], None, ca.scaling)
+            _attend(q[offsets[i]: offsets[i + 1]], _rows(kbuf, slots, cross_starts[i]),
+                    _rows(vbuf, slots, cross_starts[i]), None, ca.scaling)
             for i, slots in enumerate(cross_slots)
         ])
         h = h + ca.out_proj(o)
