@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sglang_omni_flash.flash.accept import (
+    confident_length,
     greedy_accept,
     probs_from_logits,
     residual_distribution,
@@ -271,3 +272,11 @@ def test_speculative_sampling_reproduces_target_distribution(K):
     for axis, marginal in ((0, joint.sum(1)), (1, joint.sum(0))):
         axis_codes = large // (END + 1) if axis == 0 else large % (END + 1)
         assert tv(axis_codes, marginal) < 0.015
+
+
+def test_confident_length_counts_leading_confident_positions():
+    conf = torch.tensor([[0.9, 0.6, 0.1, 0.95], [0.1, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    assert confident_length(conf, 0.5).tolist() == [2, 0, 4]  # stops at the first doubt, even if later ones are sure
+    assert confident_length(conf, 0.5, minimum=1).tolist() == [2, 1, 4]
+    assert confident_length(conf, 0.0).tolist() == [4, 4, 4]  # threshold 0: every candidate
+    assert confident_length(conf, 1.0).tolist() == [0, 0, 0]

@@ -205,6 +205,21 @@ def test_untrained_drafter_output_identical_at_batch_3(case):
     assert all(r.rounds > 0 for r in results)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_confidence_cut_changes_the_cost_never_the_output(case, batch):
+    """The real drafter with its blocks cut where its own probability drops (`min_draft_prob`):
+    fewer candidates per round, same tokens; 0 proposes every candidate the budget allows."""
+    rows = case.subset(2 * batch, offset=7)
+    full = case.run(rows=rows, batch_size=batch, min_draft_prob=0.0)
+    cut = case.run(rows=rows, batch_size=batch, min_draft_prob=0.5)
+    assert tokens(full) == tokens(cut) == case.refs(rows)
+    per_round = lambda results: sum(r.proposed for r in results) / sum(r.rounds for r in results)  # noqa: E731
+    assert per_round(cut) < per_round(full)
+    assert all(r.proposed >= r.rounds for r in cut)  # at least one candidate every round
+    stamped = case.run(rows=rows[:3], timestamps=True, min_draft_prob=0.5)  # the per-position rule path
+    assert tokens(stamped) == tokens(case.run(rows=rows[:3], speculative=False, timestamps=True))
+
+
 # ---------------------------------------------------------------------------------- timestamps
 
 

@@ -23,7 +23,7 @@ import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.logit_rules import LogitRules
-from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB, EngineOptions
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
@@ -305,8 +305,14 @@ class WhisperFlashEngine:
             raise UserError(f"temperature must be >= 0, got {options.temperature}")
         if options.block_size < 1:
             raise UserError(f"block size must be at least 1, got {options.block_size}")
+        if options.min_draft_prob is not None and not 0.0 <= options.min_draft_prob <= 1.0:
+            raise UserError(f"min_draft_prob must be between 0 and 1, got {options.min_draft_prob}")
         self.options = options
         self.device, self.dtype = resolve_device(options)
+        if options.min_draft_prob is not None:
+            self.min_draft_prob = options.min_draft_prob
+        else:
+            self.min_draft_prob = CPU_MIN_DRAFT_PROB if self.device.type == "cpu" else 0.0
         if options.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
 
@@ -442,6 +448,7 @@ class WhisperFlashEngine:
             opts.temperature,
             generator,
             self.device,
+            min_draft_prob=self.min_draft_prob,
         )
         results = decoder.run(prompts, [budget] * n, list(range(first_id, first_id + n)))
         sync()

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+# measured with the shipped base drafter on held-out audio: docs/benchmark.md
+CPU_MIN_DRAFT_PROB = 0.2
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # target model: "base", "tiny.en" (embedded, converted on first use) or a transformers Whisper directory
@@ -37,6 +41,10 @@ class EngineOptions:
     cuda_graphs: bool = True
     # torch intra-op threads on CPU; None = leave torch's default
     threads: int | None = None
+    # propose only the leading candidates the drafter gives at least this probability (>= 1 per
+    # round); cost only, never output. None = by device: CPU_MIN_DRAFT_PROB on a CPU (the verify
+    # pass is compute-bound there: every candidate row costs), 0 on CUDA (9 rows cost about 1)
+    min_draft_prob: float | None = None
 
     def with_(self, **changes) -> "EngineOptions":
         """A copy with some fields changed (the options object itself never changes)."""

@@ -31,7 +31,9 @@ from typing import Protocol
 import torch
 
 from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
-from sglang_omni_flash.flash.accept import greedy_accept, probs_from_logits, sample_tokens, speculative_sample
+from sglang_omni_flash.flash.accept import (
+    confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
+)
 
 
 # ---------------------------------------------------------------------------------- protocols
@@ -134,8 +136,12 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         device="cpu",
+        min_draft_prob: float = 0.0,
     ):
         self.backend = backend
+        # propose only the leading candidates the drafter gives >= this probability (at least one):
+        # fewer verify rows, same output (`flash.accept.confident_length`)
+        self.min_draft_prob = float(min_draft_prob)
         self.proposer = proposer
         self.rules = rules
         self.eos_id = eos_id
@@ -192,22 +198,23 @@ class SpeculativeDecoder:
         # propose: rules at every position, prefix including earlier candidates
         sampling = self.temperature > 0
         prefixes = [self._prefix(rows)]
-        draft_probs = None
+        draft_probs = shaped = None
         if proposal.tokens is not None:  # fixed tokens (tests): taken as they are
             candidates = proposal.tokens[:, :k].to(self.device)
         elif not self.rules.needs_prefix_tensors:  # prefix-free rules: the whole block at once
-            draft = proposal.logits[:, :k]
+            shaped = proposal.logits[:, :k]
             first = prefixes[0]
-            self.rules.apply(draft, Prefix.lengths_only(first.min_length, first.max_length + k))
+            self.rules.apply(shaped, Prefix.lengths_only(first.min_length, first.max_length + k))
             if sampling:
-                draft_probs = probs_from_logits(draft, self.temperature)
+                draft_probs = probs_from_logits(shaped, self.temperature)
                 candidates = sample_tokens(draft_probs, self.generator)
             else:
-                candidates = draft.argmax(-1)
+                candidates = shaped.argmax(-1)
         else:  # timestamp rules: position j's prefix ends with candidate j-1
-            picks, probs = [], []
+            picks, probs, shaped_rows = [], [], []
             for j in range(k):
                 row = self.rules.apply(proposal.logits[:, j], prefixes[-1])
+                shaped_rows.append(row)
                 if sampling:
                     probs.append(probs_from_logits(row, self.temperature))
                     picks.append(sample_tokens(probs[-1], self.generator))
@@ -216,6 +223,18 @@ class SpeculativeDecoder:
                 prefixes.append(prefixes[-1].extend(picks[-1], self.timestamp_begin))
             candidates = torch.stack(picks, 1)
             draft_probs = torch.stack(probs, 1) if sampling else None
+            shaped = torch.stack(shaped_rows, 1)
+        if self.min_draft_prob > 0 and shaped is not None:  # cut each block where the drafter doubts
+            if sampling:
+                confidence = draft_probs.gather(2, candidates[..., None])[..., 0]
+            else:
+                confidence = torch.softmax(shaped.float(), dim=-1).amax(dim=-1)
+            confident = confident_length(confidence, self.min_draft_prob, minimum=1).tolist()
+            num = [min(n_i, c_i) for n_i, c_i in zip(num, confident)]
+            k = max(num)
+            candidates = candidates[:, :k]
+            draft_probs = None if draft_probs is None else draft_probs[:, :k]
+            prefixes = prefixes[: k + 1]
         while len(prefixes) < k + 1:
             prefixes.append(prefixes[-1].extend(candidates[:, len(prefixes) - 1], self.timestamp_begin))
 

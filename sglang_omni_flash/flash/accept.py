@@ -138,3 +138,19 @@ def speculative_sample(
     next_token = torch.multinomial(dist, 1, generator=generator)[:, 0]
     next_token = torch.where(eos_accepted, torch.full_like(next_token, eos_id), next_token)
     return AcceptResult(accepted, next_token, eos_accepted)
+
+
+def confident_length(confidence: Tensor, threshold: float, minimum: int = 0) -> Tensor:
+    """How many leading candidates to propose: confidence [B, K] -> [B] long.
+
+    n_b = max(minimum, #{leading j : q_j(c_j) >= threshold}), where q_j(c_j) is the drafter's own
+    probability of its candidate at position j (greedy: its max softmax; sampling: q at the draw).
+
+    Why: a candidate after the first rejected one is never used, and the drafter's confidence
+    predicts rejection well, while every proposed candidate is one more row in the target's verify
+    pass (on a CPU that pass is compute-bound: its cost grows with the rows). Cutting the block
+    changes only the cost, never the output: the target still decides every token (a shorter
+    block just ends in a correction or bonus sooner). threshold 0 keeps every candidate.
+    """
+    keep = (confidence >= threshold).long().cumprod(dim=-1).sum(dim=-1)
+    return keep.clamp(min=minimum) if minimum else keep

@@ -36,7 +36,9 @@ from torch import Tensor
 
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.flash.accept import greedy_accept, probs_from_logits, sample_tokens, speculative_sample
+from sglang_omni_flash.flash.accept import (
+    confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
+)
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
@@ -342,7 +344,7 @@ class WhisperFlashModelRunner(ModelRunner):
             else:
                 conf, cands = torch.softmax(logits, dim=-1).max(dim=-1)
             if self.min_draft_prob > 0:
-                p.k = int((conf >= self.min_draft_prob).long().cumprod(0).sum())
+                p.k = int(confident_length(conf, self.min_draft_prob))
             p.candidates = cands[: p.k].tolist()
             if p.draft_probs is not None:
                 p.draft_probs = p.draft_probs[: p.k]
