@@ -458,7 +458,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "Without --url the script starts its own servers (--servers)")
     parser.add_argument("--servers", default="plain,flash",
                         help="servers to start without --url: comma list of plain, flash, or NAME:plain / "
-                             "NAME:flash to start several of one kind (default: plain,flash)")
+                             "NAME:flash to start several of one kind, NAME:flash:KEY=VALUE[+KEY=VALUE] to "
+                             "add --asr.speculative_KEY VALUE (e.g. cut:flash:min_draft_prob=0.2; "
+                             "default: plain,flash)")
     parser.add_argument("--model", default="base", help="embedded model name or Whisper directory to serve")
     parser.add_argument("--draft-model-path", type=Path, default=None,
                         help="flash server: --asr.speculative_draft_model_path (default: the shipped drafter)")
@@ -492,7 +494,8 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
         return targets
     targets = []
     for item in args.servers.split(","):
-        name, _, kind = item.strip().partition(":")
+        name, _, rest = item.strip().partition(":")
+        kind, _, settings = rest.partition(":")
         kind = kind or name
         if kind not in ("plain", "flash"):
             raise SystemExit(f"--servers: unknown kind {kind!r} (plain or flash)")
@@ -501,6 +504,11 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
             extra = ("--asr.speculative", "whisper-flash")
             if args.draft_model_path:
                 extra += ("--asr.speculative_draft_model_path", str(args.draft_model_path))
+        for setting in filter(None, settings.split("+")):
+            key, sep, value = setting.partition("=")
+            if kind != "flash" or not sep or not key.isidentifier():
+                raise SystemExit(f"--servers: {item!r}: settings are NAME:flash:KEY=VALUE[+KEY=VALUE]")
+            extra += (f"--asr.speculative_{key}", value)
         targets.append(Target(name=name, extra_args=extra))
     if len({t.name for t in targets}) != len(targets):
         raise SystemExit("--servers: names must be unique (use NAME:plain)")
