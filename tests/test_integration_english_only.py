@@ -80,7 +80,8 @@ def test_tiny_en_server_text_equals_transformers_generate(server, clips, referen
 def spec_server(tiny_en_model_dir, tmp_path_factory):
     """`--asr.speculative whisper-flash` on tiny.en with a drafter made from tiny.en's own first two
     decoder blocks (untrained: it proposes, the target rejects, so the worker's prefill, verify and
-    fall-back paths all run with the English-only prompt)."""
+    fall-back paths all run with the English-only prompt). `min_draft_prob 0` keeps its blocks whole
+    (the base spec server tests run the default cut), so full 9-row verify passes are tested too."""
     import torch
     from transformers import WhisperForConditionalGeneration
 
@@ -93,7 +94,8 @@ def spec_server(tiny_en_model_dir, tmp_path_factory):
     drafter_dir = save_drafter(WhisperFlashDrafter.from_target(target), work / "drafter")
     options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log",
                            extra_args=("--asr.speculative", "whisper-flash",
-                                       "--asr.speculative_draft_model_path", str(drafter_dir)))
+                                       "--asr.speculative_draft_model_path", str(drafter_dir),
+                                       "--asr.speculative_min_draft_prob", "0"))
     srv = started_server(options)
     yield srv
     srv.stop()

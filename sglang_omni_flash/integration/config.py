@@ -38,8 +38,9 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # Candidates proposed per round (the drafter's block size is the upper bound).
     speculative_num_draft_tokens: int = Field(default=8, ge=1, le=64)
     # Propose candidates only while the drafter's probability of its token is at least this
-    # (0: always the full block). Changes the cost of a step, never the output.
-    speculative_min_draft_prob: float = Field(default=0.0, ge=0.0, le=1.0)
+    # (0: always the full block; None: by device, 0.2 on CPU and 0 on CUDA). Changes the cost of
+    # a step, never the output.
+    speculative_min_draft_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("speculative", mode="before")
     @classmethod

@@ -87,12 +87,12 @@ def drafter_dtype(target: TargetView):
 
 
 class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
-    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float = 0.0, **stock):
+    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float | None = None, **stock):
         stock["enable_async_decode"] = False
         super().__init__(**stock)
         self.drafter_dir = str(drafter_dir)
         self.num_draft_tokens = int(num_draft_tokens)
-        self.min_draft_prob = float(min_draft_prob)
+        self.min_draft_prob = min_draft_prob  # None: by the drafter's device (the runner decides)
         self.drafter = None
         self.tap = None
         self.runner = None

@@ -39,6 +39,7 @@ from sglang_omni.model_runner.base import ModelRunner
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
+from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
@@ -156,12 +157,16 @@ class WhisperFlashModelRunner(ModelRunner):
     """sglang-omni's ASR model runner with Whisper-Flash speculative decode steps."""
 
     def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, num_draft_tokens: int,
-                 min_draft_prob: float = 0.0, max_backoff: int = 8):
+                 min_draft_prob: float | None = None, max_backoff: int = 8):
         super().__init__(tp_worker, output_processor)
         self.drafter = drafter
         # Candidates are proposed while the drafter's probability of its own token is >= this
-        # (0: always k); a request whose round proposed or accepted nothing drafts again only
-        # after 1, 2, 4 .. max_backoff stock steps. Neither changes the output, only the cost.
+        # (0: always k; None: by device, as the standalone engine: on a CPU every verified row
+        # costs); a request whose round proposed or accepted nothing drafts again only after
+        # 1, 2, 4 .. max_backoff stock steps. Neither changes the output, only the cost.
+        if min_draft_prob is None:
+            on_cpu = next(drafter.parameters()).device.type == "cpu"
+            min_draft_prob = CPU_MIN_DRAFT_PROB if on_cpu else 0.0
         self.min_draft_prob = float(min_draft_prob)
         self.max_backoff = int(max_backoff)
         self.tap = tap

@@ -21,7 +21,7 @@ def create_whisper_flash_asr_executor(
     speculative: str | None = None,
     speculative_draft_model_path: str | None = None,
     speculative_num_draft_tokens: int = 8,
-    speculative_min_draft_prob: float = 0.0,
+    speculative_min_draft_prob: float | None = None,
     **stock_kwargs,
 ):
     if speculative is not None:
