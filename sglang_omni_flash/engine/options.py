@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
-# measured with the shipped base drafter on held-out audio: docs/benchmark.md
+# min_draft_prob on a CPU: keeps ~98.6% of a round's tokens with ~37% of the verify rows for the
+# shipped base drafter on held-out data (docs/engine.md, benchmarks/draft_cut_analysis.py)
 CPU_MIN_DRAFT_PROB = 0.2
 
 

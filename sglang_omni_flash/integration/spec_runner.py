@@ -36,10 +36,10 @@ from torch import Tensor
 
 from sglang_omni.model_runner.base import ModelRunner
 
+from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
-from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
