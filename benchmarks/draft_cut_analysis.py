@@ -33,9 +33,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as out:
-        # the trainer's loading, draft vocabulary and packing, warm-started from the drafter
+        # the trainer's loading and packing (its own fresh drafter is replaced below)
         trainer = Trainer(TrainOptions(teacher=(args.teacher,), validation=(args.teacher,), out=out,
-                                       model=args.model, init=args.drafter), progress=False)
+                                       model=args.model), progress=False)
     # the drafter as it is shipped: its own draft vocabulary (a teacher token outside it is a miss)
     trainer.drafter = load_drafter(args.drafter, trainer.target, device=trainer.device, dtype=torch.float32)
     trainer.index = packing.vocab_index(getattr(trainer.drafter, "draft_vocab", None), trainer.drafter.config.vocab_size)

@@ -23,7 +23,7 @@ import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.logit_rules import LogitRules
-from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB, EngineOptions
+from sglang_omni_flash.engine.options import EngineOptions, default_min_draft_prob
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
@@ -309,10 +309,8 @@ class WhisperFlashEngine:
             raise UserError(f"min_draft_prob must be between 0 and 1, got {options.min_draft_prob}")
         self.options = options
         self.device, self.dtype = resolve_device(options)
-        if options.min_draft_prob is not None:
-            self.min_draft_prob = options.min_draft_prob
-        else:
-            self.min_draft_prob = CPU_MIN_DRAFT_PROB if self.device.type == "cpu" else 0.0
+        self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
+                               else default_min_draft_prob(self.device.type))
         if options.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
 

@@ -10,6 +10,12 @@ from dataclasses import dataclass, replace
 CPU_MIN_DRAFT_PROB = 0.2
 
 
+def default_min_draft_prob(device_type: str) -> float:
+    """min_draft_prob when none is given: cut blocks on a CPU, whole blocks elsewhere (the engine
+    and the SGLang-Omni decode worker both use this)."""
+    return CPU_MIN_DRAFT_PROB if device_type == "cpu" else 0.0
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # target model: "base", "tiny.en" (embedded, converted on first use) or a transformers Whisper directory

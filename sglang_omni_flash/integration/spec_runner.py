@@ -36,7 +36,7 @@ from torch import Tensor
 
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.engine.options import CPU_MIN_DRAFT_PROB
+from sglang_omni_flash.engine.options import default_min_draft_prob
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -165,8 +165,7 @@ class WhisperFlashModelRunner(ModelRunner):
         # costs); a request whose round proposed or accepted nothing drafts again only after
         # 1, 2, 4 .. max_backoff stock steps. Neither changes the output, only the cost.
         if min_draft_prob is None:
-            on_cpu = next(drafter.parameters()).device.type == "cpu"
-            min_draft_prob = CPU_MIN_DRAFT_PROB if on_cpu else 0.0
+            min_draft_prob = default_min_draft_prob(next(drafter.parameters()).device.type)
         self.min_draft_prob = float(min_draft_prob)
         self.max_backoff = int(max_backoff)
         self.tap = tap
