@@ -207,6 +207,6 @@ class LogitRules:
         flat = logits.reshape(-1, logits.shape[-1])
         for rule in self.rules:
             rule.apply(flat, prefix)
-        if flat.data_ptr() != logits.data_ptr() or not flat.is_contiguous():
-            logits.copy_(flat.view_as(logits))
+        if flat.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+            logits.copy_(flat.view_as(logits))  # reshape had to copy: write the rules' result back
         return logits

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
+from sglang_omni_flash.flash.head import transposed_head, vocab_logits
 
 
 class _Layer:
@@ -58,6 +59,7 @@ class WhisperTarget:
         self.pos_embed = dec.embed_positions.weight
         self.final_ln = (dec.layer_norm.weight, dec.layer_norm.bias, dec.layer_norm.eps)
         self.head = model.proj_out.weight
+        self.head_t = transposed_head(self.head)  # one row's fast layout on CPU (flash/head.py)
         self.layers = [_Layer(layer) for layer in dec.layers]
         self.history_layers = tuple(history_layers)
         self._history_slot = {layer: i for i, layer in enumerate(self.history_layers)}
@@ -133,7 +135,7 @@ class WhisperTarget:
                 history_out[:n, :t, slot] = h
         if last_only:
             h = h[:, -1:]
-        logits = F.linear(_ln(h, self.final_ln), self.head)
+        logits = vocab_logits(_ln(h, self.final_ln), self.head, weight_t=self.head_t)
         history = history_out[:n, :t] if self.history_layers else None
         return logits, history
 

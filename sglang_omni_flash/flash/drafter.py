@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from sglang_omni_flash.flash.head import vocab_logits
+
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration
 
@@ -417,9 +419,9 @@ class WhisperFlashDrafter(nn.Module):
         head = self._require_target().output_head
         if not self.config.draft_vocab_size:
             bias = None if head.bias is None else head.bias.detach()
-            return F.linear(h.to(head.weight.dtype), head.weight.detach(), bias)
+            return vocab_logits(h.to(head.weight.dtype), head.weight.detach(), bias)
         weight, bias = self._draft_head_rows(head)
-        small = F.linear(h.to(weight.dtype), weight, bias)
+        small = vocab_logits(h.to(weight.dtype), weight, bias)
         if not full:
             return small
         out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sglang_omni_flash.flash.head import vocab_logits
+
 
 @dataclass(frozen=True)
 class VerifyRow:
@@ -133,6 +135,6 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         if index in history_layers:
             captured[index] = h
     hidden = decoder.layer_norm(h)
-    logits = F.linear(hidden, model.lm_head.weight)
+    logits = vocab_logits(hidden, model.lm_head.weight)
     history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
     return VerifyOutput(logits=logits, history=history, offsets=offsets)
