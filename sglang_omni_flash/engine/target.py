@@ -13,27 +13,29 @@ import torch
 import torch.nn.functional as F
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
-from sglang_omni_flash.flash.head import transposed_head, vocab_logits
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear
 
 
 class _Layer:
-    """One decoder block's weights (views of the transformers parameters; q/k/v fused)."""
+    """One decoder block's weights (q/k/v fused; the step's linears as `FrozenLinear`, packed on CPU)."""
 
     def __init__(self, layer):
         sa, ca = layer.self_attn, layer.encoder_attn
         self.ln1 = (layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, layer.self_attn_layer_norm.eps)
         k_bias = torch.zeros_like(sa.q_proj.bias)  # Whisper's k_proj has no bias
-        self.qkv_w = torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0).detach()
-        self.qkv_b = torch.cat([sa.q_proj.bias, k_bias, sa.v_proj.bias], 0).detach()
-        self.o = (sa.out_proj.weight, sa.out_proj.bias)
+        self.qkv = FrozenLinear(
+            torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0),
+            torch.cat([sa.q_proj.bias, k_bias, sa.v_proj.bias], 0),
+        )
+        self.o = FrozenLinear.of(sa.out_proj)
         self.ln2 = (layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias, layer.encoder_attn_layer_norm.eps)
-        self.cq = (ca.q_proj.weight, ca.q_proj.bias)
-        self.ck = ca.k_proj.weight
+        self.cq = FrozenLinear.of(ca.q_proj)
+        self.ck = ca.k_proj.weight  # k/v of the encoder output: once per request, F.linear
         self.cv = (ca.v_proj.weight, ca.v_proj.bias)
-        self.co = (ca.out_proj.weight, ca.out_proj.bias)
+        self.co = FrozenLinear.of(ca.out_proj)
         self.ln3 = (layer.final_layer_norm.weight, layer.final_layer_norm.bias, layer.final_layer_norm.eps)
-        self.fc1 = (layer.fc1.weight, layer.fc1.bias)
-        self.fc2 = (layer.fc2.weight, layer.fc2.bias)
+        self.fc1 = FrozenLinear.of(layer.fc1)
+        self.fc2 = FrozenLinear.of(layer.fc2)
 
 
 def _ln(x, p):
@@ -58,8 +60,7 @@ class WhisperTarget:
         self.embed = dec.embed_tokens.weight
         self.pos_embed = dec.embed_positions.weight
         self.final_ln = (dec.layer_norm.weight, dec.layer_norm.bias, dec.layer_norm.eps)
-        self.head = model.proj_out.weight
-        self.head_t = transposed_head(self.head)  # one row's fast layout on CPU (flash/head.py)
+        self.head = FrozenLinear(model.proj_out.weight, single_row=True)
         self.layers = [_Layer(layer) for layer in dec.layers]
         self.history_layers = tuple(history_layers)
         self._history_slot = {layer: i for i, layer in enumerate(self.history_layers)}
@@ -117,25 +118,25 @@ class WhisperTarget:
         for i, lw in enumerate(self.layers):
             # self-attention over the cache (the new rows included)
             x = _ln(h, lw.ln1)
-            qkv = F.linear(x, lw.qkv_w, lw.qkv_b).view(n, t, 3, self.heads, self.head_dim)
+            qkv = lw.qkv(x).view(n, t, 3, self.heads, self.head_dim)
             q = (qkv[:, :, 0] * self.scaling).transpose(1, 2)
             k_all, v_all = cache.update(i, positions, qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
             a = F.scaled_dot_product_attention(q, k_all[:, :, :w], v_all[:, :, :w], attn_mask=mask, scale=1.0)
-            h = h + F.linear(a.transpose(1, 2).reshape(n, t, self.d_model), *lw.o)
+            h = h + lw.o(a.transpose(1, 2).reshape(n, t, self.d_model))
             # cross-attention to the encoder output
             x = _ln(h, lw.ln2)
-            q = (F.linear(x, *lw.cq) * self.scaling).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+            q = (lw.cq(x) * self.scaling).view(n, t, self.heads, self.head_dim).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, cross.k[i, :n], cross.v[i, :n], scale=1.0)
-            h = h + F.linear(a.transpose(1, 2).reshape(n, t, self.d_model), *lw.co)
+            h = h + lw.co(a.transpose(1, 2).reshape(n, t, self.d_model))
             # feed-forward
             x = _ln(h, lw.ln3)
-            h = h + F.linear(F.gelu(F.linear(x, *lw.fc1)), *lw.fc2)
+            h = h + lw.fc2(F.gelu(lw.fc1(x)))
             slot = self._history_slot.get(i)
             if slot is not None:
                 history_out[:n, :t, slot] = h
         if last_only:
             h = h[:, -1:]
-        logits = vocab_logits(_ln(h, self.final_ln), self.head, weight_t=self.head_t)
+        logits = self.head(_ln(h, self.final_ln))
         history = history_out[:n, :t] if self.history_layers else None
         return logits, history
 

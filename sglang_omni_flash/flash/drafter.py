@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from sglang_omni_flash.flash.head import vocab_logits
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration
@@ -162,10 +162,10 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = PackedLinear(d_model, d_model)
+        self.k_proj = PackedLinear(d_model, d_model, bias=False)
+        self.v_proj = PackedLinear(d_model, d_model)
+        self.out_proj = PackedLinear(d_model, d_model)
 
     def heads(self, x: Tensor) -> Tensor:
         """[B, N, d] -> [B, H, N, hd]"""
@@ -194,8 +194,8 @@ class DrafterLayer(nn.Module):
             self.acoustic_attn_layer_norm = nn.LayerNorm(d, eps=eps)
             self.acoustic_attn = Attention(d, config.n_heads)
         self.final_layer_norm = nn.LayerNorm(d, eps=eps)
-        self.fc1 = nn.Linear(d, config.ffn_dim)
-        self.fc2 = nn.Linear(config.ffn_dim, d)
+        self.fc1 = PackedLinear(d, config.ffn_dim)
+        self.fc2 = PackedLinear(config.ffn_dim, d)
         self.activation_fn = ACT2FN[config.activation]
 
     def forward(
@@ -251,7 +251,7 @@ class WhisperFlashDrafter(nn.Module):
         d = config.d_model
         self.mask = nn.Parameter(torch.zeros(d))  # m, learned
         if config.use_history:
-            self.history_proj = nn.Linear(len(config.history_layers) * d, d)
+            self.history_proj = PackedLinear(len(config.history_layers) * d, d)
             self.history_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)  # final LN, before the shared head
@@ -261,7 +261,7 @@ class WhisperFlashDrafter(nn.Module):
             # outside it is simply never proposed (the target still decides every token).
             self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._shared: _SharedTarget | None = None
-        self._draft_head: tuple | None = None  # (key, weight rows, bias rows) cache for draft_vocab
+        self._draft_head: tuple | None = None  # (key, FrozenLinear) over the draft vocabulary's head rows
 
     # ------------------------------------------------------------------------- construction
 
@@ -417,26 +417,29 @@ class WhisperFlashDrafter(nn.Module):
         With a draft vocabulary: full=True scatters them into [..., vocab] (-inf elsewhere, so no
         other token is ever proposed); full=False returns [..., draft_vocab_size] (training)."""
         head = self._require_target().output_head
-        if not self.config.draft_vocab_size:
-            bias = None if head.bias is None else head.bias.detach()
-            return vocab_logits(h.to(head.weight.dtype), head.weight.detach(), bias)
-        weight, bias = self._draft_head_rows(head)
-        small = vocab_logits(h.to(weight.dtype), weight, bias)
-        if not full:
+        small = self._head_rows(head)(h.to(head.weight.dtype))
+        if not full or not self.config.draft_vocab_size:
             return small
         out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         out[..., self.draft_vocab] = small
         return out
 
-    def _draft_head_rows(self, head: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    def _head_rows(self, head: nn.Linear) -> FrozenLinear:
+        """The frozen head restricted to the draft vocabulary (the whole head without one), cached."""
         w = head.weight
-        key = (w.data_ptr(), w.device, w.dtype, self.draft_vocab.data_ptr(), self.draft_vocab.device)
+        vocab = self.draft_vocab if self.config.draft_vocab_size else None
+        # _version: in-place writes (load_state_dict, set_draft_vocab) invalidate the copy
+        key = (w.data_ptr(), w._version, w.device, w.dtype,
+               None if vocab is None else (vocab.data_ptr(), vocab._version, vocab.device))
         if self._draft_head is None or self._draft_head[0] != key:
-            vocab = self.draft_vocab.to(w.device)
-            rows = w.detach().index_select(0, vocab)
-            bias = None if head.bias is None else head.bias.detach().index_select(0, vocab)
-            self._draft_head = (key, rows, bias)
-        return self._draft_head[1], self._draft_head[2]
+            if vocab is None:
+                rows = FrozenLinear.of(head)
+            else:
+                vocab = vocab.to(w.device)
+                bias = None if head.bias is None else head.bias.index_select(0, vocab)
+                rows = FrozenLinear(w.detach().index_select(0, vocab), bias)
+            self._draft_head = (key, rows)
+        return self._draft_head[1]
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """Fix the draft vocabulary (sorted unique ids) of a drafter whose config reserved its size."""

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sglang_omni_flash.flash.head import vocab_logits
+from sglang_omni_flash.flash.cpu_linear import FrozenLinears
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
 
 @torch.inference_mode()
 def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
-                   history_layers: tuple[int, ...]) -> VerifyOutput:
-    """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool)."""
+                   history_layers: tuple[int, ...], linears: FrozenLinears | None = None) -> VerifyOutput:
+    """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool).
+
+    linears: the caller's frozen copies of the model's linears (packed on CPU, made once; see
+    flash/cpu_linear.py); without it, the modules themselves."""
+    lin = linears if linears is not None else (lambda module, x, single_row=False: module(x))
     decoder = model.model.decoder
     device = decoder.embed_tokens.weight.device
     lengths = [len(r.tokens) for r in rows]
@@ -109,7 +113,7 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         sa = layer.self_attn
         heads, hd = sa.num_heads, sa.head_dim
         x = layer.self_attn_layer_norm(h)
-        q, k, v = sa.qkv_proj(x).chunk(3, dim=-1)
+        q, k, v = lin(sa.qkv_proj, x).chunk(3, dim=-1)
         q = q.reshape(-1, heads, hd)
         kv_pool.set_kv_buffer(sa.attn, KVWriteLoc(new_slots), k.reshape(-1, heads, hd), v.reshape(-1, heads, hd))
         kbuf, vbuf = kv_pool.get_key_buffer(sa.attn.layer_id), kv_pool.get_value_buffer(sa.attn.layer_id)
@@ -117,24 +121,24 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
             _attend(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], causal[i], sa.scaling)
             for i, slots in enumerate(self_slots)
         ])
-        h = h + sa.out_proj(o)
+        h = h + lin(sa.out_proj, o)
 
         ca = layer.encoder_attn
         x = layer.encoder_attn_layer_norm(h)
-        q = ca.q_proj(x).reshape(-1, ca.num_heads, ca.head_dim)
+        q = lin(ca.q_proj, x).reshape(-1, ca.num_heads, ca.head_dim)
         kbuf, vbuf = kv_pool.get_key_buffer(ca.attn.layer_id), kv_pool.get_value_buffer(ca.attn.layer_id)
         o = torch.cat([
             _attend(q[offsets[i]: offsets[i + 1]], _rows(kbuf, slots, cross_starts[i]),
                     _rows(vbuf, slots, cross_starts[i]), None, ca.scaling)
             for i, slots in enumerate(cross_slots)
         ])
-        h = h + ca.out_proj(o)
+        h = h + lin(ca.out_proj, o)
 
         x = layer.final_layer_norm(h)
-        h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        h = h + lin(layer.fc2, layer.activation_fn(lin(layer.fc1, x)))
         if index in history_layers:
             captured[index] = h
     hidden = decoder.layer_norm(h)
-    logits = vocab_logits(hidden, model.lm_head.weight)
+    logits = lin(model.lm_head, hidden, single_row=True)
     history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
     return VerifyOutput(logits=logits, history=history, offsets=offsets)

@@ -1,0 +1,86 @@
+"""flash/cpu_linear.py: the packed and transposed CPU kernels compute the product F.linear computes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, FrozenLinears
+
+
+@pytest.fixture(scope="module")
+def head():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(5003, 64, generator=g) * 0.1
+
+
+SHAPES = [(64,), (1, 64), (1, 1, 64), (3, 64), (2, 9, 64), (40, 64), (3, 64, 5)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("single_row", [False, True])
+def test_same_outputs_as_linear_in_every_shape(head, shape, single_row):
+    x = torch.randn(*shape)
+    if len(shape) == 3 and shape[-1] == 5:
+        x = x.transpose(1, 2)  # a strided input: [3, 5, 64]
+    bias = torch.randn(head.shape[0])
+    with torch.inference_mode():
+        for b in (None, bias):
+            lin = FrozenLinear(head, b, single_row=single_row)
+            assert lin.packed is not None or not torch.backends.mkldnn.is_available()
+            got, want = lin(x), F.linear(x, head, b)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_gradients_reach_the_input_through_linear(head):
+    lin = FrozenLinear(head)
+    x = torch.randn(4, 64, requires_grad=True)
+    out = lin(x)
+    assert torch.equal(out, F.linear(x, head))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, head.sum(0).expand(4, -1))
+
+
+def test_other_dtypes_fall_back_to_linear(head):
+    lin = FrozenLinear(head.double())
+    assert lin.packed is None and lin.transposed is None
+    x = torch.randn(3, 64, dtype=torch.double)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, head.double()))
+
+
+def test_module_copies_are_made_once_and_follow_a_replaced_weight():
+    linears = FrozenLinears()
+    m = nn.Linear(16, 8)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(linears(m, x), m(x))
+        first = linears._by_module[id(m)][1]
+        linears(m, x)
+        assert linears._by_module[id(m)][1] is first
+        m.weight = nn.Parameter(torch.randn(8, 16))
+        torch.testing.assert_close(linears(m, x), m(x))
+
+
+def test_packed_linear_is_nn_linear_and_follows_every_write():
+    from sglang_omni_flash.flash.cpu_linear import PackedLinear
+
+    torch.manual_seed(0)
+    m = PackedLinear(32, 16)
+    ref = nn.Linear(32, 16)
+    ref.load_state_dict(m.state_dict())
+    assert m.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref(x))
+    # a training step writes the weight in place: inference afterwards uses the new weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m(x).square().sum().backward()
+    opt.step()
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
+    m.load_state_dict(ref.state_dict())
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), ref(x))
