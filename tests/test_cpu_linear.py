@@ -84,3 +84,10 @@ def test_packed_linear_is_nn_linear_and_follows_every_write():
     m.load_state_dict(ref.state_dict())
     with torch.inference_mode():
         torch.testing.assert_close(m(x), ref(x))
+
+
+def test_a_tied_embedding_head_is_a_linear_without_bias():
+    emb = nn.Embedding(300, 16)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(FrozenLinears()(emb, x, single_row=True), F.linear(x, emb.weight))

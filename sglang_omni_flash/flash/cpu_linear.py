@@ -57,8 +57,9 @@ class FrozenLinear:
         self.transposed = self.weight.t().contiguous() if on_cpu and single_row else None
 
     @classmethod
-    def of(cls, module: nn.Linear, single_row: bool = False) -> "FrozenLinear":
-        return cls(module.weight, module.bias, single_row)
+    def of(cls, module: nn.Module, single_row: bool = False) -> "FrozenLinear":
+        """From an nn.Linear, or a tied head such as an nn.Embedding (its weight; no bias)."""
+        return cls(module.weight, getattr(module, "bias", None), single_row)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
@@ -77,9 +78,9 @@ class FrozenLinears:
     """`FrozenLinear` copies of a model's nn.Linear modules, made on first use (one per module)."""
 
     def __init__(self) -> None:
-        self._by_module: dict[int, tuple[nn.Linear, FrozenLinear]] = {}
+        self._by_module: dict[int, tuple[nn.Module, FrozenLinear]] = {}
 
-    def __call__(self, module: nn.Linear, x: Tensor, single_row: bool = False) -> Tensor:
+    def __call__(self, module: nn.Module, x: Tensor, single_row: bool = False) -> Tensor:
         entry = self._by_module.get(id(module))
         if entry is None or entry[0] is not module or entry[1].weight.data_ptr() != module.weight.data_ptr():
             entry = (module, FrozenLinear.of(module, single_row))
