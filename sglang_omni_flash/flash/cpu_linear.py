@@ -37,8 +37,14 @@ from torch import Tensor, nn
 PACK_ROWS_HINT = 8  # oneDNN's M hint for the packed layout; 1..72 rows measured alike around it
 
 
-def _onednn_ready() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def _pack(weight: Tensor) -> Tensor | None:
+    """oneDNN's packed copy of a [out, in] fp32 weight; None where this torch build has no such op."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    except RuntimeError:  # a CPU oneDNN does not serve (then F.linear, as before)
+        return None
 
 
 class FrozenLinear:
@@ -50,9 +56,7 @@ class FrozenLinear:
         self.weight = weight.detach()  # frozen: no gradient ever reaches it
         self.bias = None if bias is None else bias.detach()
         on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-        self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT) if on_cpu and _onednn_ready() else None
-        )
+        self.packed = _pack(self.weight) if on_cpu else None
         # one row through a [V, d] head: a gemv over a contiguous W^T beats every packed layout
         self.transposed = self.weight.t().contiguous() if on_cpu and single_row else None
 
