@@ -27,7 +27,8 @@ Memory: the packed copies sit beside the model's own weights (base: ~84 MB of de
 106 MB packed head + 106 MB transposed head; the drafter's ~40 MB), the price of not editing the
 model's modules.
 
-Inputs that need gradients (the drafter's training through the frozen head), any device but the CPU, and any dtype but float32 use F.linear.
+Inputs that need gradients (the drafter's training through the frozen head), any device but the
+CPU, and any dtype but float32 use F.linear.
 """
 
 from __future__ import annotations

@@ -75,12 +75,11 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
 
 @torch.inference_mode()
 def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
-                   history_layers: tuple[int, ...], linears: FrozenLinears | None = None) -> VerifyOutput:
+                   history_layers: tuple[int, ...], lin: FrozenLinears) -> VerifyOutput:
     """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool).
 
-    linears: the caller's frozen copies of the model's linears (packed on CPU, made once; see
-    flash/cpu_linear.py); without it, the modules themselves."""
-    lin = linears if linears is not None else (lambda module, x, single_row=False: module(x))
+    lin: the caller's frozen copies of the model's linears and tied head (packed on CPU, made once;
+    see flash/cpu_linear.py)."""
     decoder = model.model.decoder
     device = decoder.embed_tokens.weight.device
     lengths = [len(r.tokens) for r in rows]
