@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_omni_flash.flash.cpu_linear import FrozenLinear, FrozenLinears
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, frozen_copy, tensor_state
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +51,33 @@ def test_other_dtypes_fall_back_to_linear(head):
         assert torch.equal(lin(x), F.linear(x, head.double()))
 
 
-def test_module_copies_are_made_once_and_follow_a_replaced_weight():
-    linears = FrozenLinears()
+def test_module_copies_are_made_once_and_follow_every_write():
     m = nn.Linear(16, 8)
     x = torch.randn(2, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(linears(m, x), m(x))
-        first = linears._by_module[id(m)][1]
-        linears(m, x)
-        assert linears._by_module[id(m)][1] is first
-        m.weight = nn.Parameter(torch.randn(8, 16))
-        torch.testing.assert_close(linears(m, x), m(x))
+        torch.testing.assert_close(frozen_copy(m)(x), m(x))
+        first = frozen_copy(m)
+        assert frozen_copy(m) is first
+        # a single-row request upgrades the copy once; plain requests then reuse it
+        head_copy = frozen_copy(m, single_row=True)
+        assert head_copy is not first and head_copy.transposed is not None
+        assert frozen_copy(m) is head_copy
+    m.weight = nn.Parameter(torch.randn(8, 16))  # a replaced parameter: new storage
+    with torch.inference_mode():
+        torch.testing.assert_close(frozen_copy(m)(x), m(x))
+    with torch.no_grad():
+        m.bias.add_(1.0)  # an in-place write: same storage, new version
+    with torch.inference_mode():
+        torch.testing.assert_close(frozen_copy(m)(x), m(x))
+
+
+def test_inference_tensor_weights_are_keyed_by_storage():
+    with torch.inference_mode():
+        m = nn.Linear(16, 8)  # parameters created in inference mode keep no version counter
+        x = torch.randn(3, 16)
+        assert tensor_state(m.weight)[1] is None
+        torch.testing.assert_close(frozen_copy(m)(x), F.linear(x, m.weight, m.bias))
+        assert frozen_copy(m) is frozen_copy(m)
 
 
 def test_packed_linear_is_nn_linear_and_follows_every_write():
@@ -90,4 +106,4 @@ def test_a_tied_embedding_head_is_a_linear_without_bias():
     emb = nn.Embedding(300, 16)
     x = torch.randn(3, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(FrozenLinears()(emb, x, single_row=True), F.linear(x, emb.weight))
+        torch.testing.assert_close(frozen_copy(emb, single_row=True)(x), F.linear(x, emb.weight))

@@ -83,37 +83,48 @@ class FrozenLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-class FrozenLinears:
-    """`FrozenLinear` copies of a model's nn.Linear modules, made on first use (one per module)."""
+def tensor_state(t: Tensor | None) -> tuple | None:
+    """What identifies a tensor's current values: its storage, its in-place version, device, dtype.
 
-    def __init__(self) -> None:
-        self._by_module: dict[int, tuple[nn.Module, FrozenLinear]] = {}
+    A copy made from a weight is stale once any of these changed (an optimizer step or
+    `load_state_dict` writes in place and bumps the version; `.to()` or a replaced parameter moves
+    the storage). Inference tensors (weights loaded under `torch.inference_mode`, as a serving engine
+    may do) keep no version counter; there the storage alone decides."""
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:
+        version = None
+    return (t.data_ptr(), version, t.device, t.dtype)
 
-    def __call__(self, module: nn.Module, x: Tensor, single_row: bool = False) -> Tensor:
-        entry = self._by_module.get(id(module))
-        if entry is None or entry[0] is not module or entry[1].weight.data_ptr() != module.weight.data_ptr():
-            entry = (module, FrozenLinear.of(module, single_row))
-            self._by_module[id(module)] = entry
-        return entry[1](x)
+
+# module -> (tensor states of weight and bias, made with single_row, the copy)
+_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool, FrozenLinear]]" = weakref.WeakKeyDictionary()
 
 
-_PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, FrozenLinear]]" = weakref.WeakKeyDictionary()
+def frozen_copy(module: nn.Module, single_row: bool = False) -> FrozenLinear:
+    """The module's `FrozenLinear`, made on first use and again after any write to its weight or bias.
+
+    The one cache of packed copies: the decode worker's verify and `PackedLinear` both go through it.
+    The copy lives as long as the module (weak keys). `single_row` adds the head's transposed copy;
+    a copy made with it serves calls without it too."""
+    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)))
+    entry = _COPIES.get(module)
+    if entry is None or entry[0] != key or (single_row and not entry[1]):
+        entry = (key, single_row, FrozenLinear.of(module, single_row))
+        _COPIES[module] = entry
+    return entry[2]
 
 
 class PackedLinear(nn.Linear):
     """nn.Linear (same parameters, same state dict) for a trainable model such as the drafter.
 
-    Where gradients flow it is nn.Linear; at inference (no grad) on CPU it runs through a packed
-    copy of its weight, made again whenever the weight or bias was written (optimizer step,
-    load_state_dict, .to()): the key is the tensors' storage and in-place version counters."""
+    Where gradients flow it is nn.Linear; at inference (no grad) on CPU it runs through its
+    `frozen_copy`, which is made again whenever the weight or bias was written (optimizer step,
+    load_state_dict, .to())."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return super().forward(x)
-        w, b = self.weight, self.bias
-        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
-        entry = _PACKED.get(self)
-        if entry is None or entry[0] != key:
-            entry = (key, FrozenLinear(w, b))
-            _PACKED[self] = entry
-        return entry[1](x)
+        return frozen_copy(self)(x)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear, tensor_state
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration
@@ -428,9 +428,9 @@ class WhisperFlashDrafter(nn.Module):
         """The frozen head restricted to the draft vocabulary (the whole head without one), cached."""
         w = head.weight
         vocab = self.draft_vocab if self.config.draft_vocab_size else None
-        # _version: in-place writes (load_state_dict, set_draft_vocab) invalidate the copy
-        key = (w.data_ptr(), w._version, w.device, w.dtype,
-               None if vocab is None else (vocab.data_ptr(), vocab._version, vocab.device))
+        # a derived weight (rows of the head), so not a `frozen_copy` of a module; made again after
+        # in-place writes to either (load_state_dict, set_draft_vocab), by the same rule
+        key = (tensor_state(w), tensor_state(getattr(head, "bias", None)), tensor_state(vocab))
         if self._draft_head is None or self._draft_head[0] != key:
             if vocab is None:
                 rows = FrozenLinear.of(head)

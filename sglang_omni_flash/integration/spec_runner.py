@@ -40,7 +40,6 @@ from sglang_omni_flash.engine.options import default_min_draft_prob
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
-from sglang_omni_flash.flash.cpu_linear import FrozenLinears
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
@@ -186,7 +185,6 @@ class WhisperFlashModelRunner(ModelRunner):
         self._acoustic_batch: tuple[tuple[DraftState, ...], list[tuple[Tensor, Tensor]]] | None = None
         p = next(drafter.parameters())
         self._device, self._dtype = p.device, p.dtype
-        self.linears = FrozenLinears()  # the target's linears for verify, packed once on CPU
 
     # ------------------------------------------------------------------ lifecycle of the state
 
@@ -420,7 +418,7 @@ class WhisperFlashModelRunner(ModelRunner):
         rows = [VerifyRow(row=p.row, encoder_len=enc_lens[p.index],
                           prefix_len=p.prefix_len, tokens=(p.anchor, *p.candidates)) for p in plans]
         out = verify_forward(self.model, self.tp_worker.model_runner.token_to_kv_pool, req_to_token, rows,
-                             self.drafter.config.history_layers, self.linears)
+                             self.drafter.config.history_layers)
 
         # 4-5. accept, free the rejected slots, commit
         t2 = time.perf_counter()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sglang_omni_flash.flash.cpu_linear import FrozenLinears
+from sglang_omni_flash.flash.cpu_linear import frozen_copy
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,15 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
 
 @torch.inference_mode()
 def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
-                   history_layers: tuple[int, ...], lin: FrozenLinears) -> VerifyOutput:
+                   history_layers: tuple[int, ...]) -> VerifyOutput:
     """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool).
 
-    lin: the caller's frozen copies of the model's linears and tied head (packed on CPU, made once;
-    see flash/cpu_linear.py)."""
+    Every linear and the tied head run through their `frozen_copy` (packed once on CPU; see
+    flash/cpu_linear.py)."""
+
+    def lin(module, x: Tensor, single_row: bool = False) -> Tensor:
+        return frozen_copy(module, single_row)(x)
+
     decoder = model.model.decoder
     device = decoder.embed_tokens.weight.device
     lengths = [len(r.tokens) for r in rows]
