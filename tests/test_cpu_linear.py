@@ -107,3 +107,39 @@ def test_a_tied_embedding_head_is_a_linear_without_bias():
     x = torch.randn(3, 16)
     with torch.inference_mode():
         torch.testing.assert_close(frozen_copy(emb, single_row=True)(x), F.linear(x, emb.weight))
+
+
+def test_int8_copy_is_close_to_fp32_and_only_at_cpu_inference():
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 64) * 0.05, torch.randn(300) * 0.01
+    lin = FrozenLinear(w, b, int8=True)
+    assert lin.int8 is not None and lin.packed is None
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        ref, got = F.linear(x, w, b), lin(x)
+    assert got.shape == ref.shape
+    # int8 weights (one scale per row) and a 7-bit input scale: a few percent of the output's range
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    xg = x.clone().requires_grad_(True)
+    assert torch.equal(lin(xg), F.linear(xg, w, b))  # gradients: the exact fp32 path
+
+
+def test_packed_linear_int8_follows_writes_and_switches_back():
+    from sglang_omni_flash.flash.cpu_linear import PackedLinear
+
+    torch.manual_seed(0)
+    m = PackedLinear(64, 32)
+    x = torch.randn(4, 64)
+    m.int8_inference = True
+    with torch.inference_mode():
+        assert frozen_copy(m, int8=True).int8 is not None
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), atol=0.05, rtol=0.05)
+    with torch.no_grad():
+        m.weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), atol=0.1, rtol=0.05)
+    m.int8_inference = False
+    with torch.inference_mode():
+        assert torch.equal(m(x), frozen_copy(m)(x))
+        assert frozen_copy(m).int8 is None

@@ -386,3 +386,25 @@ def test_real_base_drafter_builds_runs_and_fits_in_25_mb(tmp_path):
         hkv, akv = loaded.history_kv(history, torch.arange(4)[None]), loaded.acoustic_kv(audio)
     logits = draft(loaded, [700], [4], hkv, [4], akv)
     assert logits.shape == (1, K, target.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_cpu_int8_changes_proposals_little_and_keeps_history_projection_fp32(target):
+    torch.manual_seed(1)
+    d = WhisperFlashDrafter.from_target(target).eval()
+    hkv, akv, _ = memories(d, batch=2, hist_len=12)
+    anchors, positions = [5, 9], [12, 12]
+    ref = draft(d, anchors, positions, hkv, positions, akv)
+    d.set_cpu_int8(True)
+    assert d.int8_inference and d.layers[0].fc1.int8_inference and not d.history_proj.int8_inference
+    got = draft(d, anchors, positions, hkv, positions, akv)
+    assert got.shape == ref.shape
+    probs_ref, probs_got = ref.softmax(-1), got.softmax(-1)
+    assert (probs_got - probs_ref).abs().sum(-1).max() < 0.2  # total variation per position
+    with torch.enable_grad():  # training is untouched: gradients take the fp32 path
+        d.train()
+        out = d(torch.tensor(anchors), torch.tensor(positions), hkv, torch.tensor(positions), akv)
+        out[torch.isfinite(out)].sum().backward()
+        assert d.layers[0].fc1.weight.grad is not None
+    d.eval()
+    d.set_cpu_int8(False)
+    torch.testing.assert_close(draft(d, anchors, positions, hkv, positions, akv), ref)

@@ -65,6 +65,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-draft-prob", type=float, default=None, metavar="P",
                    help="propose candidates only while the drafter's probability of its token is >= P "
                         "(at least one per round; cost only, never output). Default: 0.2 on CPU, 0 on CUDA")
+    p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
+                        "Default: on for CPU")
 
 
 def _options(args, **extra) -> EngineOptions:
@@ -76,6 +79,7 @@ def _options(args, **extra) -> EngineOptions:
         raise UserError(f"--min-draft-prob must be between 0 and 1, got {args.min_draft_prob}")
     return EngineOptions(
         min_draft_prob=args.min_draft_prob,
+        drafter_int8=args.drafter_int8,
         model=args.model,
         drafter=args.drafter,
         device=args.device,
@@ -202,12 +206,14 @@ def _bench(args) -> int:
 
     engine = WhisperFlashEngine(_options(args, speculative=True, batch_size=sizes[0]))
     print(f"whisper-flash bench: model {engine.model_dir}; drafter: {engine.drafter_source}; "
-          f"min draft prob {engine.min_draft_prob:g}", file=sys.stderr)
+          f"min draft prob {engine.min_draft_prob:g}; "
+          f"int8 drafter {bool(engine.drafter is not None and engine.drafter.int8_inference)}", file=sys.stderr)
     features = engine.log_mel(waves)  # not timed: the timed path starts at the log-mel
     report = {
         "model": str(engine.model_dir),
         "drafter": engine.drafter_source,
         "min_draft_prob": engine.min_draft_prob,
+        "drafter_int8": bool(engine.drafter is not None and engine.drafter.int8_inference),
         "device": str(engine.device),
         "torch_threads": torch.get_num_threads(),
         "temperature": args.temperature,

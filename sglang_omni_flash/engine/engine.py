@@ -23,7 +23,7 @@ import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.logit_rules import LogitRules
-from sglang_omni_flash.engine.options import EngineOptions, default_min_draft_prob
+from sglang_omni_flash.engine.options import EngineOptions, default_drafter_int8, default_min_draft_prob
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
@@ -329,6 +329,8 @@ class WhisperFlashEngine:
         self.drafter, self.drafter_source = (drafter, "given") if drafter is not None else self._load_drafter()
         if self.drafter is not None:
             self.drafter = self.drafter.to(device=self.device, dtype=self.dtype).eval()
+            int8 = options.drafter_int8
+            self.drafter.set_cpu_int8(default_drafter_int8(self.device.type) if int8 is None else int8)
         history_layers = self.drafter.config.history_layers if self.drafter is not None else ()
         self.target = WhisperTarget(self.model, history_layers)
         self.timing = Timing()

@@ -16,6 +16,12 @@ def default_min_draft_prob(device_type: str) -> float:
     return CPU_MIN_DRAFT_PROB if device_type == "cpu" else 0.0
 
 
+def default_drafter_int8(device_type: str) -> bool:
+    """drafter_int8 when none is given: int8 drafter weights on a CPU, where a drafter call costs the
+    bytes it streams (about half the call's time, for 0.4% of tau on held-out data; docs/engine.md)."""
+    return device_type == "cpu"
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # target model: "base", "tiny.en" (embedded, converted on first use) or a transformers Whisper directory
@@ -52,6 +58,9 @@ class EngineOptions:
     # round); cost only, never output. None = by device: CPU_MIN_DRAFT_PROB on a CPU (the verify
     # pass is compute-bound there: every candidate row costs), 0 on CUDA (9 rows cost about 1)
     min_draft_prob: float | None = None
+    # run the drafter's per-round linears and head on int8 weights (CPU only; cost and proposals, never
+    # output). None = by device: on for CPU
+    drafter_int8: bool | None = None
 
     def with_(self, **changes) -> "EngineOptions":
         """A copy with some fields changed (the options object itself never changes)."""

@@ -33,6 +33,7 @@ CPU, and any dtype but float32 use F.linear.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -52,27 +53,49 @@ def _pack(weight: Tensor) -> Tensor | None:
         return None
 
 
+def _quantize_int8(weight: Tensor, bias: Tensor | None):
+    """fbgemm's packed int8 copy of a [out, in] fp32 weight (symmetric, one scale per output row);
+    None where this torch build has no quantized CPU engine."""
+    try:
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch marks quantized tensors as deprecated; they still run
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+            return torch.ops.quantized.linear_prepack(q, bias)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
 class FrozenLinear:
-    """y = x W^T + b for inference over a weight that never changes (on CPU: packed once)."""
+    """y = x W^T + b for inference over a weight that never changes (on CPU: packed once).
 
-    __slots__ = ("weight", "bias", "packed", "transposed")
+    int8=True (only for a drafter, whose proposals the target checks anyway): on CPU the weight is
+    kept as int8 with one scale per output row and the input quantized per call (fbgemm's dynamic
+    linear), a quarter of the bytes to stream. Never for the target: its logits decide the output."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, single_row: bool = False):
+    __slots__ = ("weight", "bias", "packed", "transposed", "int8")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, single_row: bool = False, int8: bool = False):
         self.weight = weight.detach()  # frozen: no gradient ever reaches it
         self.bias = None if bias is None else bias.detach()
         on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-        self.packed = _pack(self.weight) if on_cpu else None
+        self.int8 = _quantize_int8(self.weight, self.bias) if on_cpu and int8 else None
+        self.packed = _pack(self.weight) if on_cpu and self.int8 is None else None
         # one row through a [V, d] head: a gemv over a contiguous W^T beats every packed layout
-        self.transposed = self.weight.t().contiguous() if on_cpu and single_row else None
+        self.transposed = self.weight.t().contiguous() if on_cpu and single_row and self.int8 is None else None
 
     @classmethod
-    def of(cls, module: nn.Module, single_row: bool = False) -> "FrozenLinear":
+    def of(cls, module: nn.Module, single_row: bool = False, int8: bool = False) -> "FrozenLinear":
         """From an nn.Linear, or a tied head such as an nn.Embedding (its weight; no bias)."""
-        return cls(module.weight, getattr(module, "bias", None), single_row)
+        return cls(module.weight, getattr(module, "bias", None), single_row, int8)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, self.bias)  # (gradients flow to x only: the weight is frozen)
+        if self.int8 is not None:
+            out = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), self.int8, True)
+            return out.view(*x.shape[:-1], self.weight.shape[0])
         if self.transposed is not None and x.numel() == x.shape[-1]:
             out = x.reshape(1, -1) @ self.transposed
             if self.bias is not None:
@@ -103,16 +126,16 @@ def tensor_state(t: Tensor | None) -> tuple | None:
 _COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool, FrozenLinear]]" = weakref.WeakKeyDictionary()
 
 
-def frozen_copy(module: nn.Module, single_row: bool = False) -> FrozenLinear:
+def frozen_copy(module: nn.Module, single_row: bool = False, int8: bool = False) -> FrozenLinear:
     """The module's `FrozenLinear`, made on first use and again after any write to its weight or bias.
 
     The one cache of packed copies: the decode worker's verify and `PackedLinear` both go through it.
     The copy lives as long as the module (weak keys). `single_row` adds the head's transposed copy;
     a copy made with it serves calls without it too."""
-    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)))
+    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)), int8)
     entry = _COPIES.get(module)
     if entry is None or entry[0] != key or (single_row and not entry[1]):
-        entry = (key, single_row, FrozenLinear.of(module, single_row))
+        entry = (key, single_row, FrozenLinear.of(module, single_row, int8))
         _COPIES[module] = entry
     return entry[2]
 
@@ -122,9 +145,11 @@ class PackedLinear(nn.Linear):
 
     Where gradients flow it is nn.Linear; at inference (no grad) on CPU it runs through its
     `frozen_copy`, which is made again whenever the weight or bias was written (optimizer step,
-    load_state_dict, .to())."""
+    load_state_dict, .to()). `int8_inference` (set by the drafter) makes that copy int8."""
+
+    int8_inference = False
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return super().forward(x)
-        return frozen_copy(self)(x)
+        return frozen_copy(self, int8=self.int8_inference)(x)

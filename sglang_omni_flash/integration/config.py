@@ -41,6 +41,9 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # (0: always the full block; None: by device, 0.2 on CPU and 0 on CUDA). Changes the cost of
     # a step, never the output.
     speculative_min_draft_prob: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Run the drafter's per-round linears and head on int8 weights (CPU only; proposals and cost
+    # change, never the output). None: by device, on for CPU.
+    speculative_drafter_int8: bool | None = None
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -79,6 +82,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative_draft_model_path": self.speculative_draft_model_path,
             "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
             "speculative_min_draft_prob": self.speculative_min_draft_prob,
+            "speculative_drafter_int8": self.speculative_drafter_int8,
         }
 
 

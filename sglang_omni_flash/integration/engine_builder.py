@@ -87,12 +87,14 @@ def drafter_dtype(target: TargetView):
 
 
 class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
-    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float | None = None, **stock):
+    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float | None = None,
+                 drafter_int8: bool | None = None, **stock):
         stock["enable_async_decode"] = False
         super().__init__(**stock)
         self.drafter_dir = str(drafter_dir)
         self.num_draft_tokens = int(num_draft_tokens)
         self.min_draft_prob = min_draft_prob  # None: by the drafter's device (the runner decides)
+        self.drafter_int8 = drafter_int8  # None: by the drafter's device (on for CPU)
         self.drafter = None
         self.tap = None
         self.runner = None
@@ -129,9 +131,13 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         if dtype != target.model.decoder.embed_tokens.weight.dtype:
             self.drafter.bind_target(TargetView(model, dtype=dtype))  # head/embedding copies in the drafter's dtype
         self.drafter.requires_grad_(False)
-        logger.info("whisper-flash: drafter %s (%d parameters, %d draft tokens, history layers %s)",
+        from sglang_omni_flash.engine.options import default_drafter_int8
+
+        device_type = self.drafter.mask.device.type
+        self.drafter.set_cpu_int8(default_drafter_int8(device_type) if self.drafter_int8 is None else self.drafter_int8)
+        logger.info("whisper-flash: drafter %s (%d parameters, %d draft tokens, history layers %s, int8 %s)",
                     self.drafter_dir, self.drafter.num_parameters(), self.num_draft_tokens,
-                    self.drafter.config.history_layers)
+                    self.drafter.config.history_layers, self.drafter.int8_inference)
 
     def before_memory_pool(self, *, model_worker, **kwargs) -> None:
         super().before_memory_pool(model_worker=model_worker, **kwargs)

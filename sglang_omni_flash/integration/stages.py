@@ -22,6 +22,7 @@ def create_whisper_flash_asr_executor(
     speculative_draft_model_path: str | None = None,
     speculative_num_draft_tokens: int = 8,
     speculative_min_draft_prob: float | None = None,
+    speculative_drafter_int8: bool | None = None,
     **stock_kwargs,
 ):
     if speculative is not None:
@@ -32,7 +33,8 @@ def create_whisper_flash_asr_executor(
         return build_executor(
             WhisperFlashSpecEngineBuilder, model_path, gpu_id=gpu_id,
             builder_kwargs={"drafter_dir": str(drafter_dir), "num_draft_tokens": speculative_num_draft_tokens,
-                            "min_draft_prob": speculative_min_draft_prob},
+                            "min_draft_prob": speculative_min_draft_prob,
+                            "drafter_int8": speculative_drafter_int8},
             **stock_kwargs,
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
