@@ -29,6 +29,11 @@ model's modules.
 
 Inputs that need gradients (the drafter's training through the frozen head), any device but the
 CPU, and any dtype but float32 use F.linear.
+
+The drafter may go further (`int8=True`, `WhisperFlashDrafter.set_cpu_int8`): its weights as int8
+with one scale per output row, its input quantized per call (fbgemm's dynamic linear), a quarter of
+the bytes. Measured alone on the shipped base drafter: a drafter call 19.0 -> 10.8 ms, held-out
+tau 1.673 -> 1.666. Never the target's weights: its logits decide every token.
 """
 
 from __future__ import annotations
