@@ -199,3 +199,31 @@ def test_warm_start_begins_from_the_given_drafter_and_refuses_another_shape(teac
     with pytest.raises(UserError, match="use_history"):
         Trainer(_options(teacher, tmp_path / "ablation", model=str(tiny_en_model_dir), use_history=False,
                          init=str(best)), progress=False)
+
+
+def test_warm_start_keeps_the_source_drafters_draft_vocabulary(teacher, tiny_en_model_dir, tmp_path):
+    """Fine-tuning on a new corpus must not drop ids only the earlier corpora had."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    first = Trainer(_options(teacher, tmp_path / "first", model=str(tiny_en_model_dir), steps=2, eval_every=2),
+                    progress=False)
+    first.run()
+    source = tmp_path / "source"
+    shutil.copytree(tmp_path / "first" / "best", source)
+    state = load_file(str(source / "model.safetensors"))
+    vocab = state["draft_vocab"]
+    extra = next(i for i in range(2000, 60000) if i not in set(vocab.tolist()))  # an id this teacher never emits
+    state["draft_vocab"] = torch.sort(torch.cat([vocab, torch.tensor([extra])])).values
+    save_file(state, str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["draft_vocab_size"] = int(state["draft_vocab"].numel())
+    (source / "config.json").write_text(json.dumps(config))
+
+    warm = Trainer(_options(teacher, tmp_path / "warm", model=str(tiny_en_model_dir), init=str(source)),
+                   progress=False)
+    assert warm.drafter.draft_vocab.tolist() == state["draft_vocab"].tolist()
+    fresh = Trainer(_options(teacher, tmp_path / "fresh", model=str(tiny_en_model_dir)), progress=False)
+    assert extra not in fresh.drafter.draft_vocab.tolist()

@@ -178,7 +178,23 @@ class Trainer:
         ids |= set(range(eos, cfg.vocab_size))  # EOS, special and timestamp tokens
         for utt in self.train:
             ids |= set(utt.tokens[utt.prompt_len :].tolist())
+        if self.options.init:
+            # A warm start keeps every id its source could propose: fine-tuning on a new corpus must
+            # not silently drop the tokens only the earlier corpora contained.
+            ids |= set(self._init_draft_vocab(self.options.init))
         return torch.tensor(sorted(ids), dtype=torch.long)
+
+    @staticmethod
+    def _init_draft_vocab(path: str) -> list[int]:
+        from safetensors import SafetensorError, safe_open
+
+        from sglang_omni_flash.flash.checkpoint import WEIGHTS_NAME
+
+        try:
+            with safe_open(str(Path(path) / WEIGHTS_NAME), framework="pt") as f:
+                return f.get_tensor("draft_vocab").tolist() if "draft_vocab" in f.keys() else []
+        except (SafetensorError, OSError):
+            return []  # _warm_start reports what is wrong with the checkpoint
 
     def _warm_start(self, path: str) -> None:
         """Start from a trained drafter's weights (fine-tuning on new data, or a longer second run).
