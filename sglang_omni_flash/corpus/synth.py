@@ -52,21 +52,24 @@ class ClipPlan:
     source: str
 
 
-def clip_id(split: str, seed: int, index: int) -> str:
-    return f"{split}-s{seed}-{index:05d}"
+def clip_id(split: str, seed: int, index: int, book: str = "botchan") -> str:
+    # Botchan's ids (and plans below) predate the second book and stay as they were.
+    prefix = split if book == "botchan" else f"{split}-{book}"
+    return f"{prefix}-s{seed}-{index:05d}"
 
 
 def plan_clip(
     index: int, attempt: int, seed: int, split: str,
-    voices: Sequence[Voice], pool: tuple[text_mod.Chapter, ...],
+    voices: Sequence[Voice], pool: tuple[text_mod.Chapter, ...], book: str = "botchan",
 ) -> ClipPlan:
-    rng = random.Random(f"{split}/{seed}/{index}/{attempt}")  # str seeds hash the same everywhere
+    key = f"{split}/{seed}/{index}/{attempt}" if book == "botchan" else f"{book}/{split}/{seed}/{index}/{attempt}"
+    rng = random.Random(key)  # str seeds hash the same everywhere
     families = list(dict.fromkeys(v.family for v in voices))
     family = families[index % len(families)]
     voice = rng.choice([v for v in voices if v.family == family])
     rate = voices_mod.draw_rate(voice, rng)
     passage = text_mod.draw_passage(rng, pool, rng.randint(*TARGET_WORDS))
-    return ClipPlan(clip_id(split, seed, index), attempt, voice.name, rate,
+    return ClipPlan(clip_id(split, seed, index, book), attempt, voice.name, rate,
                     passage.text, passage.source)
 
 
@@ -125,12 +128,14 @@ def generate_corpus(
     split: str = "train",
     sources_dir: Path | None = None,
     progress: bool = True,
+    text: str = "botchan",
 ) -> Path:
     """Synthesize `n_clips` clips into `out_dir` (reusing valid ones); returns the manifest path.
 
     voices: names like "espeak:en-us+m3"; default: the split's voice set (voices.py).
     split: "train" or "heldout": picks the text pool and the default voice set.
     sources_dir: where the PyPI sdists holding the text are kept (default audio_dir()/sources).
+    text: the book read, "botchan" (both splits) or "moby-dick" (train only; text.py).
     """
     if split not in text_mod.SPLITS:
         raise ValueError(f"split must be one of {text_mod.SPLITS}, not {split!r}")
@@ -142,7 +147,7 @@ def generate_corpus(
         sources_dir = audio_dir() / "sources"
     chosen = resolve_voices(voices, split)
     voices_mod.check_available(chosen)
-    pool = text_mod.text_pool(split, Path(sources_dir))
+    pool = text_mod.text_pool(split, Path(sources_dir), text)
 
     out_dir = Path(out_dir)
     wav_dir = out_dir / "wav"
@@ -153,9 +158,9 @@ def generate_corpus(
     with bar:
         for index in range(n_clips):
             def replan(attempt: int, index: int = index) -> ClipPlan:
-                return plan_clip(index, attempt, seed, split, chosen, pool)
+                return plan_clip(index, attempt, seed, split, chosen, pool, text)
 
-            cid = clip_id(split, seed, index)
+            cid = clip_id(split, seed, index, text)
             wav, sidecar = wav_dir / f"{cid}.wav", wav_dir / f"{cid}.json"
             found = _existing(wav, sidecar, replan)
             if found is None:

