@@ -227,3 +227,22 @@ def test_warm_start_keeps_the_source_drafters_draft_vocabulary(teacher, tiny_en_
     assert warm.drafter.draft_vocab.tolist() == state["draft_vocab"].tolist()
     fresh = Trainer(_options(teacher, tmp_path / "fresh", model=str(tiny_en_model_dir)), progress=False)
     assert extra not in fresh.drafter.draft_vocab.tolist()
+
+
+def test_frozen_acoustic_cache_keeps_utterances_of_different_teacher_folders_apart(teacher, tiny_en_model_dir,
+                                                                                   tmp_path):
+    """Two folders may both hold a "packed-00000"; each must be trained with its own audio."""
+    import dataclasses
+
+    trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir)), progress=False)
+    assert trainer.options.freeze_acoustic_kv  # the cached path
+    first = trainer.train[0]
+    twin = dataclasses.replace(first, encoder=torch.flip(first.encoder, dims=[0]))  # same id, other audio
+    assert twin.id == first.id
+    for utt in (first, twin):
+        got = trainer._acoustic([utt])
+        with torch.no_grad():
+            want = trainer.drafter.acoustic_kv(utt.encoder[None].float())
+        for (k, v), (wk, wv) in zip(got, want, strict=True):
+            torch.testing.assert_close(k, wk, atol=2e-3, rtol=2e-3)  # the cache holds fp16
+            torch.testing.assert_close(v, wv, atol=2e-3, rtol=2e-3)

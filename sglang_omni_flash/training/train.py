@@ -149,7 +149,9 @@ class Trainer:
         )
         self.step = 0
         self.best_tau = -math.inf
-        self._acoustic_cache: dict[str, list] = {}
+        # Keyed by the loaded utterance object, not its id: ids are unique within one extraction
+        # only (every packed corpus has a "packed-00000"), and several teacher folders train together.
+        self._acoustic_cache: dict[int, list] = {}
 
     # -- data ------------------------------------------------------------------------------
     @staticmethod
@@ -226,11 +228,11 @@ class Trainer:
             return d.acoustic_kv(enc)
         per_utt = []
         for u in utts:
-            kv = self._acoustic_cache.get(u.id)
+            kv = self._acoustic_cache.get(id(u))  # the utterances live as long as the trainer
             if kv is None:
                 with torch.no_grad():
                     kv = [(k.half(), v.half()) for k, v in d.acoustic_kv(u.encoder[None].to(self.device, torch.float32))]
-                self._acoustic_cache[u.id] = kv
+                self._acoustic_cache[id(u)] = kv
             per_utt.append(kv)
         return [
             (torch.cat([p[i][0] for p in per_utt]).float(), torch.cat([p[i][1] for p in per_utt]).float())
