@@ -10,10 +10,15 @@ from transformers import WhisperForConditionalGeneration
 from sglang_omni_flash.engine.target import WhisperTarget
 
 TOL = 1e-4  # fp32: absolute and relative
+SCALE_TOL = 1e-5  # plus this fraction of the tensor's largest magnitude
 
 
 def close(a, b):
-    return torch.allclose(a, b, rtol=TOL, atol=TOL)
+    # Two fp32 GEMMs that sum in another order (oneDNN's packed kernels here, MKL in transformers; the
+    # blocking depends on the CPU) differ by rounding that grows with the magnitudes summed: on one
+    # 2-core AMD EPYC base's logits (|x| up to 38) differed by 2.1e-4 in 3 of 2.2M entries. Exactness
+    # of tokens is tested end to end elsewhere; this is the float math, to 1e-5 of the tensor's scale.
+    return torch.allclose(a, b, rtol=TOL, atol=TOL + SCALE_TOL * float(b.abs().max()))
 
 
 @pytest.fixture(scope="module", params=["tiny.en", "base"])
