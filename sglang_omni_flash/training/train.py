@@ -125,7 +125,9 @@ class Trainer:
             p.requires_grad_(False)
         self._check_teacher(self.train_index)
 
-        draft_vocab = self._draft_vocab() if options.draft_vocab_top else None
+        # a warm start's source is read once: it widens the draft vocabulary and gives the weights
+        source = self._load_source(options.init) if options.init else None
+        draft_vocab = self._draft_vocab(source) if options.draft_vocab_top else None
         torch.manual_seed(options.seed)
         self.drafter = WhisperFlashDrafter.from_target(
             self.target,
@@ -135,8 +137,8 @@ class Trainer:
             use_history=options.use_history,
             draft_vocab=draft_vocab,
         ).float().to(self.device)
-        if options.init:
-            self._warm_start(options.init)
+        if source is not None:
+            self._warm_start(source, options.init)
         if options.freeze_acoustic_kv and options.use_audio:
             for layer in self.drafter.layers:
                 for p in (*layer.acoustic_attn.k_proj.parameters(), *layer.acoustic_attn.v_proj.parameters()):
@@ -151,7 +153,8 @@ class Trainer:
         self.best_tau = -math.inf
         # Keyed by the loaded utterance object, not its id: ids are unique within one extraction
         # only (every packed corpus has a "packed-00000"), and several teacher folders train together.
-        self._acoustic_cache: dict[int, list] = {}
+        # Each entry also holds its utterance, so the id() it is filed under cannot be reused.
+        self._acoustic_cache: dict[int, tuple] = {}
 
     # -- data ------------------------------------------------------------------------------
     @staticmethod
@@ -173,40 +176,30 @@ class Trainer:
                 f"the teacher data was extracted from another model ({index['model']}) than --model {self.options.model}"
             )
 
-    def _draft_vocab(self) -> torch.Tensor:
+    def _draft_vocab(self, source=None) -> torch.Tensor:
         cfg = self.target.config
         eos = self.train_index["eos"]
         ids = set(range(min(self.options.draft_vocab_top, cfg.vocab_size)))
         ids |= set(range(eos, cfg.vocab_size))  # EOS, special and timestamp tokens
         for utt in self.train:
             ids |= set(utt.tokens[utt.prompt_len :].tolist())
-        if self.options.init:
+        if source is not None and getattr(source, "draft_vocab", None) is not None:
             # A warm start keeps every id its source could propose: fine-tuning on a new corpus must
             # not silently drop the tokens only the earlier corpora contained.
-            ids |= set(self._init_draft_vocab(self.options.init))
+            ids |= set(source.draft_vocab.tolist())
         return torch.tensor(sorted(ids), dtype=torch.long)
 
-    @staticmethod
-    def _init_draft_vocab(path: str) -> list[int]:
-        from safetensors import SafetensorError, safe_open
+    def _load_source(self, path: str):
+        from sglang_omni_flash.flash.checkpoint import load_drafter
 
-        from sglang_omni_flash.flash.checkpoint import WEIGHTS_NAME
+        return load_drafter(path, self.target, device=self.device, dtype=torch.float32)
 
-        try:
-            with safe_open(str(Path(path) / WEIGHTS_NAME), framework="pt") as f:
-                return f.get_tensor("draft_vocab").tolist() if "draft_vocab" in f.keys() else []
-        except (SafetensorError, OSError):
-            return []  # _warm_start reports what is wrong with the checkpoint
-
-    def _warm_start(self, path: str) -> None:
+    def _warm_start(self, source, path: str) -> None:
         """Start from a trained drafter's weights (fine-tuning on new data, or a longer second run).
 
         Only the draft vocabulary is this run's own: it is an index into the shared target head, not a
         weight, so new training labels may widen it. Everything else must match this run's shape.
         """
-        from sglang_omni_flash.flash.checkpoint import load_drafter
-
-        source = load_drafter(path, self.target, device=self.device, dtype=torch.float32)
         mine, theirs = self.drafter.config, source.config
         for name in ("d_model", "n_layers", "block_size", "history_layers", "use_audio", "use_history"):
             if getattr(mine, name) != getattr(theirs, name):
@@ -228,11 +221,12 @@ class Trainer:
             return d.acoustic_kv(enc)
         per_utt = []
         for u in utts:
-            kv = self._acoustic_cache.get(id(u))  # the utterances live as long as the trainer
-            if kv is None:
+            entry = self._acoustic_cache.get(id(u))
+            if entry is None:
                 with torch.no_grad():
                     kv = [(k.half(), v.half()) for k, v in d.acoustic_kv(u.encoder[None].to(self.device, torch.float32))]
-                self._acoustic_cache[id(u)] = kv
+                entry = self._acoustic_cache[id(u)] = (u, kv)
+            kv = entry[1]
             per_utt.append(kv)
         return [
             (torch.cat([p[i][0] for p in per_utt]).float(), torch.cat([p[i][1] for p in per_utt]).float())
