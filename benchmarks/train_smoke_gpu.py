@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         "train_s": round(train_s, 1),
         "steps_per_s": round(args.steps / train_s, 3),
         "utterances_per_s": round(args.steps * args.batch_size / train_s, 2),
-        "best_val_tau": summary["best_val_tau"],
+        "best_val": {summary["select"]: summary["best_val"]},
         "last_val": {k: v for k, v in summary["last_val"].items() if k != "accept_by_position"},
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
     }

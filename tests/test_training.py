@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +122,35 @@ def test_pack_masks_history_before_anchor_and_own_block_only():
     assert short.labels[0].tolist() == [[4, 5, -100], [5, -100, -100]]
 
 
+def test_rollout_replays_greedy_rounds_from_the_prefix_at_every_anchor():
+    # prompt of 3, continuation 3..11 (EOS at 11): anchors 3..10; accepted prefix at each of them
+    prefix_at = torch.tensor([2, 0, 0, 1, 0, 3, 0, 0])
+    # t=3 accepts 2 (+1 correction) -> t=6 accepts 1 -> t=8 accepts 3 = S[9..11], EOS included: done
+    assert packing.rollout(prefix_at, 3, 12) == [3, 6, 8]
+    assert packing.rollout_tau(tokens=9, rounds=3, utterances=1) == 9 / 4  # + the prefill call
+    assert packing.rollout(torch.zeros(8, dtype=torch.long), 3, 12) == list(range(3, 11))  # nothing accepted
+    assert packing.rollout(torch.zeros(0, dtype=torch.long), 3, 4) == []  # EOS came from the prefill
+
+
+def test_on_policy_anchors_mix_the_rollout_with_even_ones():
+    visited = list(range(10, 70, 3))  # 20 rollout anchors of a 100-token utterance
+    for share, at_least in ((1.0, 16), (0.5, 8), (0.0, 0)):
+        picks = packing.mix_anchors(visited, 10, 100, 16, share, torch.Generator().manual_seed(0))
+        assert picks == sorted(set(picks)) and len(picks) == 16 and all(10 <= t <= 98 for t in picks)
+        assert sum(t in visited for t in picks) >= at_least
+    # fewer positions than anchors: all of them, once
+    assert packing.mix_anchors([3, 5], 3, 9, 16, 0.75, torch.Generator().manual_seed(0)) == [3, 4, 5, 6, 7]
+
+
+def test_on_policy_training_draws_from_the_drafters_own_rollout(teacher, tiny_en_model_dir, tmp_path):
+    trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir), onpolicy=1.0), progress=False)
+    utts, anchors = trainer.batch_for(0)
+    for utt, picks in zip(utts, anchors):
+        visited = trainer.rollout_of(utt)
+        assert set(picks) >= set(visited[: trainer.options.anchors]) or set(picks) <= set(visited)
+        assert sum(t in visited for t in picks) == min(len(visited), trainer.options.anchors)
+
+
 def test_loss_weights_and_schedule():
     w = packing.position_weights(8)
     assert torch.allclose(w, torch.exp(-torch.arange(8) / 4.0)) and w[0] == 1.0
@@ -148,7 +178,9 @@ def test_training_lowers_loss_and_raises_acceptance(teacher, tiny_en_model_dir, 
     last_losses = [float(r["loss"]) for r in rows[-3:]]
     assert sum(last_losses) / 3 < 0.6 * sum(first_losses) / 3, (first_losses, last_losses)
     # a few updates on six clips: acceptance measurably above the untrained drafter's (~0)
-    assert summary["best_val_tau"] > untrained["tau"] + 0.03, (untrained, summary)
+    assert summary["select"] == "rollout_tau"
+    assert summary["best_val"] > untrained["rollout_tau"] + 0.03, (untrained, summary)
+    assert summary["last_val"]["tau"] > untrained["tau"] + 0.03, (untrained, summary)
     assert (tmp_path / "run" / "best" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
 
@@ -160,8 +192,9 @@ def test_training_lowers_loss_and_raises_acceptance(teacher, tiny_en_model_dir, 
     assert torch.equal(drafter.draft_vocab.cpu(), trainer.drafter.draft_vocab.cpu())
 
 
-def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model_dir, tmp_path):
-    opts = dict(model=str(tiny_en_model_dir), steps=8, eval_every=4, checkpoint_every=4)
+@pytest.mark.parametrize("onpolicy", [0.0, 0.75])
+def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model_dir, tmp_path, onpolicy):
+    opts = dict(model=str(tiny_en_model_dir), steps=8, eval_every=4, checkpoint_every=4, onpolicy=onpolicy)
     straight = Trainer(_options(teacher, tmp_path / "straight", **opts), progress=False)
     straight.run()
     interrupted = Trainer(_options(teacher, tmp_path / "resumed", **opts), progress=False)
@@ -246,3 +279,36 @@ def test_frozen_acoustic_cache_keeps_utterances_of_different_teacher_folders_apa
         for (k, v), (wk, wv) in zip(got, want, strict=True):
             torch.testing.assert_close(k, wk, atol=2e-3, rtol=2e-3)  # the cache holds fp16
             torch.testing.assert_close(v, wv, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths, tmp_path):
+    """rollout_tau (checkpoint selection) is what the engine measures: base + the shipped drafter, real
+    clips, the same draft vocabulary, fp32 drafter and whole blocks on both sides."""
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.flash.checkpoint import save_drafter
+    import sglang_omni_flash
+
+    clips = from_manifest(test_set_paths.synth)[:4] + from_manifest(test_set_paths.librivox)[:2]
+    extractor = TeacherExtractor(ExtractOptions(model=str(base_model_dir), shard_size=8, batch_size=3))
+    extractor.extract(clips, tmp_path / "teacher", progress=False)
+    trainer = Trainer(TrainOptions(teacher=(str(tmp_path / "teacher"),), validation=(str(tmp_path / "teacher"),),
+                                   out=str(tmp_path / "run"), model=str(base_model_dir),
+                                   init=str(Path(sglang_omni_flash.__file__).parent / "drafters" / "base")), progress=False)
+    save_drafter(trainer.drafter, tmp_path / "drafter")  # the trainer's own draft vocabulary
+    engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), drafter=str(tmp_path / "drafter"),
+                                              speculative=True, min_draft_prob=0.0, drafter_int8=False))
+    _, utts = load_teacher(tmp_path / "teacher")
+    by_id = {c.id: c for c in clips}
+    same = 0
+    for utt in utts:
+        real = engine.decode(engine.log_mel([by_id[utt.id].load()]), speculative=True)[0]
+        prefix = trainer.prefix_everywhere(utt)
+        visited = packing.rollout(prefix, utt.prompt_len, utt.tokens.numel())
+        replayed = [int(prefix[t - utt.prompt_len]) for t in visited]  # EOS, when accepted, counts
+        same += real.target_calls == 1 + len(visited) and real.accepted_lengths == replayed
+    # the teacher's history is fp16 and one pass; the engine's comes step by step: a near-tie may flip
+    assert same >= len(utts) - 1, same
+    calls = sum(1 + len(trainer.rollout_of(u)) for u in utts)
+    assert trainer.validate()["rollout_tau"] == pytest.approx(sum(u.tokens.numel() - u.prompt_len for u in utts) / calls)

@@ -12,6 +12,12 @@ b's rows attend to history positions < t_b (strictly before its own anchor) and 
 (`unpacked_loss` is that reference; the test checks both give the same loss).
 
 Loss (paper eq. 3):  L = - sum_{b,j} v_bj w_j log q(S[t_b + j]) / sum_{b,j} v_bj w_j,  w_j = exp(-(j-1)/4).
+
+Rollout: greedy verification emits exactly the teacher's tokens, so the anchors real Whisper-Flash
+decoding starts its rounds from follow from the drafter's accepted prefix at every anchor alone:
+t_1 = prompt_len (the prefill emitted S[prompt_len]), t_{r+1} = t_r + a(t_r) + 1 (a accepted, one
+correction or bonus), while t_r <= L - 2. These anchors sit right after a rejection, where drafting is
+harder than at an evenly spaced anchor; `rollout` scores and samples them (validation, on-policy anchors).
 """
 
 from __future__ import annotations
@@ -198,6 +204,35 @@ def accepted_prefix(logits: Tensor, labels: Tensor) -> Tensor:
     """Greedy accepted-prefix length per block: leading positions where argmax == label. [N]"""
     hit = (logits.argmax(-1) == labels) & (labels >= 0)
     return hit.long().cumprod(-1).sum(-1)
+
+
+def rollout(prefix_at: Tensor, prompt_len: int, length: int) -> list[int]:
+    """The anchors greedy decoding visits, given the accepted prefix at every anchor.
+
+    prefix_at[i] is the accepted-prefix length at anchor prompt_len + i (i = 0 .. length - prompt_len - 2).
+    """
+    visited, t = [], prompt_len
+    while t <= length - 2:
+        visited.append(t)
+        t += int(prefix_at[t - prompt_len]) + 1
+    return visited
+
+
+def mix_anchors(visited: list[int], prompt_len: int, length: int, max_anchors: int, share: float,
+                generator: torch.Generator) -> list[int]:
+    """On-policy anchors: round(share * max_anchors) of them from `visited` (the rollout's anchors), the
+    rest evenly from the other anchor positions; without replacement, ascending."""
+    on = torch.randperm(len(visited), generator=generator)[: min(len(visited), round(share * max_anchors))]
+    picked = {visited[int(i)] for i in on}
+    others = [t for t in range(prompt_len, length - 1) if t not in picked]
+    rest = torch.randperm(len(others), generator=generator)[: max_anchors - len(picked)]
+    return sorted(picked | {others[int(i)] for i in rest})
+
+
+def rollout_tau(tokens: int, rounds: int, utterances: int) -> float:
+    """Tokens per target call of the rollout: each utterance's prefill plus one verify call per round."""
+    calls = utterances + rounds
+    return tokens / calls if calls else math.nan
 
 
 def expected_tau(prefix: Tensor) -> float:

@@ -2,9 +2,16 @@
 
 Recipe (paper A.3, scaled by options): AdamW, peak lr 6e-4, 4% linear warm-up then cosine decay to 0,
 gradient clipping 1.0, FP32 on CPU / BF16 autocast on CUDA, up to 16 anchors per utterance sampled
-without replacement, loss eq. 3. Validation = mean accepted-prefix length of greedy drafts on held-out
-teacher data (every anchor of every validation utterance); the best checkpoint is kept as a drafter
+without replacement, loss eq. 3. Validation on held-out teacher data gives two figures: `tau`, the mean
+accepted prefix + 1 at (up to 24) evenly sampled anchors per utterance, and `rollout_tau`, the tokens per
+target call of greedy decoding replayed on the teacher tokens (`packing.rollout`: rounds start right
+after a rejection, as in real decoding). The best checkpoint by `select` (default: rollout_tau, which
+tracks real decoding where tau stopped doing so, docs/training.md stage 12) is kept as a drafter
 directory (`best/`, fp16 safetensors + config.json) beside resumable training state (`state/`).
+
+On-policy anchors (`onpolicy` > 0): that share of each utterance's anchors is drawn from the anchors the
+current drafter's own greedy rollout visits, the rest evenly from the other positions -- training where
+real decoding starts its rounds. It costs one no-grad drafter pass over every anchor of the batch.
 
 Everything random is a pure function of (seed, step): the utterance order of each epoch and the anchors
 of each step, so a run resumed from a checkpoint reaches the same weights as an uninterrupted one.
@@ -25,7 +32,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -61,6 +68,8 @@ class TrainOptions:
     freeze_acoustic_kv: bool = True
     draft_vocab_top: int = 16000  # 0 = full vocabulary
     block_size: int = 8
+    onpolicy: float = 0.0  # share of anchors drawn from the current drafter's rollout (0 = all uniform)
+    select: str = "rollout_tau"  # validation figure that picks best/: "rollout_tau" or "tau"
     init: str = ""  # warm start: a drafter directory (same target and shape) whose weights start the run
     threads: int | None = None
     device: str = "auto"
@@ -71,18 +80,6 @@ class TrainOptions:
         for k in ("out", "threads", "eval_every", "checkpoint_every", "device"):
             d.pop(k)
         return d
-
-
-@dataclass
-class Metrics:
-    step: int
-    loss: float
-    lr: float
-    seconds: float
-    val_tau: float = math.nan
-    val_first: float = math.nan
-    val_loss: float = math.nan
-    extra: dict = field(default_factory=dict)
 
 
 def lr_at(step: int, options: TrainOptions) -> float:
@@ -245,14 +242,35 @@ class Trainer:
         order = self._order(epoch)[k * bs : (k + 1) * bs]
         utts = [self.train[i] for i in order]
         g = torch.Generator().manual_seed(self.options.seed * 7_919 + step)
-        anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), self.options.anchors, g) for u in utts]
+        if self.options.onpolicy > 0:  # the drafter's state at `step` is itself a function of seed and step
+            share, n = self.options.onpolicy, self.options.anchors
+            anchors = [packing.mix_anchors(self.rollout_of(u), u.prompt_len, u.tokens.numel(), n, share, g) for u in utts]
+        else:
+            anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), self.options.anchors, g) for u in utts]
         return utts, anchors
+
+    @torch.no_grad()
+    def prefix_everywhere(self, utt) -> torch.Tensor:
+        """The current drafter's greedy accepted-prefix length at every anchor of `utt` (teacher-forced)."""
+        was_training = self.drafter.training
+        self.drafter.eval()
+        anchors = [list(range(utt.prompt_len, utt.tokens.numel() - 1))]
+        batch = _to(packing.pack([utt], anchors, self.options.block_size, self.drafter.config.use_history), self.device)
+        states = packing.packed_states(self.drafter, batch, self._acoustic([utt]))[0]  # [A, K, d]
+        logits = self.drafter.logits(states, full=False)
+        prefix = packing.accepted_prefix(logits, packing.map_labels(batch.labels[0], self.index)).cpu()
+        self.drafter.train(was_training)
+        return prefix
+
+    def rollout_of(self, utt) -> list[int]:
+        """The anchors greedy Whisper-Flash decoding with the current drafter starts its rounds from."""
+        return packing.rollout(self.prefix_everywhere(utt), utt.prompt_len, utt.tokens.numel())
 
     # -- one update --------------------------------------------------------------------------
     def train_step(self) -> float:
         opts = self.options
-        self.drafter.train()
         utts, anchors = self.batch_for(self.step)
+        self.drafter.train()
         batch = packing.pack(utts, anchors, opts.block_size, self.drafter.config.use_history)
         batch = _to(batch, self.device)
         for group in self.optimizer.param_groups:
@@ -289,12 +307,22 @@ class Trainer:
             for j in range(self.options.block_size):
                 by_pos[j] += float((prefix > j).float().sum())
         prefix = torch.cat(prefixes)
+        tokens = rounds = first = 0
+        for u in utts:  # greedy decoding replayed on the teacher tokens
+            everywhere = self.prefix_everywhere(u)
+            visited = packing.rollout(everywhere, u.prompt_len, u.tokens.numel())
+            tokens += u.tokens.numel() - u.prompt_len
+            rounds += len(visited)
+            first += sum(int(everywhere[t - u.prompt_len] > 0) for t in visited)
         return {
             "tau": packing.expected_tau(prefix),
             "first": float((prefix > 0).float().mean()),
             "loss": sum(losses) / max(1, n_lab),
             "accept_by_position": (by_pos / max(1, prefix.numel())).tolist(),
             "blocks": int(prefix.numel()),
+            "rollout_tau": packing.rollout_tau(tokens, rounds, len(utts)),
+            "rollout_first": first / max(1, rounds),
+            "rollout_rounds": rounds,
         }
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -361,18 +389,20 @@ class Trainer:
                 at_end = self.step == opts.steps
                 if self.val and (self.step % opts.eval_every == 0 or at_end):
                     last_val = self.validate()
-                    row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"]}
-                    if last_val["tau"] > self.best_tau:
-                        self.best_tau = last_val["tau"]
+                    row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"],
+                            "val_rollout_tau": last_val["rollout_tau"]}
+                    if last_val[opts.select] > self.best_tau:
+                        self.best_tau = last_val[opts.select]
                         self.save_best(last_val)
                 log.write(row)
                 if self.step % opts.checkpoint_every == 0 or at_end:
                     if not self.val and at_end:
                         self.save_best({})
                     self.save_state()
-                bar.set_postfix(loss=f"{running:.3f}", val_tau=f"{last_val.get('tau', math.nan):.2f}")
+                bar.set_postfix(loss=f"{running:.3f}", val_tau=f"{last_val.get('tau', math.nan):.2f}",
+                                rollout_tau=f"{last_val.get('rollout_tau', math.nan):.2f}")
                 bar.update(1)
-        summary = {"step": self.step, "best_val_tau": self.best_tau, "last_val": last_val,
+        summary = {"step": self.step, "select": opts.select, "best_val": self.best_tau, "last_val": last_val,
                    "train_utterances": len(self.train), "val_utterances": len(self.val),
                    "trainable_parameters": sum(p.numel() for p in self.drafter.parameters() if p.requires_grad),
                    "draft_vocab_size": self.drafter.config.draft_vocab_size}
@@ -392,7 +422,7 @@ def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
 
 
 class _CsvLog:
-    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss")
+    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau")
 
     def __init__(self, path: Path, fresh: bool):
         self.path = path
@@ -412,7 +442,7 @@ def plot_curve(csv_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, losses, vsteps, taus = [], [], [], []
+    steps, losses, vsteps, taus, rollout = [], [], [], [], []
     with open(csv_path, newline="") as f:
         for row in csv.DictReader(f):
             steps.append(int(row["step"]))
@@ -420,14 +450,18 @@ def plot_curve(csv_path: Path, png_path: Path) -> None:
             if row.get("val_tau"):
                 vsteps.append(int(row["step"]))
                 taus.append(float(row["val_tau"]))
+                rollout.append(float(row["val_rollout_tau"]) if row.get("val_rollout_tau") else math.nan)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, losses, lw=0.8, color="tab:blue", label="train loss (eq. 3)")
     ax.set_xlabel("update")
     ax.set_ylabel("loss", color="tab:blue")
     if taus:
         ax2 = ax.twinx()
-        ax2.plot(vsteps, taus, "o-", color="tab:red", label="validation tau")
+        ax2.plot(vsteps, taus, "o-", color="tab:red", label="validation tau (even anchors)")
+        if not all(math.isnan(r) for r in rollout):
+            ax2.plot(vsteps, rollout, "s--", color="tab:purple", label="validation rollout tau")
         ax2.set_ylabel("validation tau (tokens / target call)", color="tab:red")
+        ax2.legend(loc="lower right", fontsize=8)
     ax.set_title("Whisper-Flash drafter training")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)

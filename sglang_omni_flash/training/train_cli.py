@@ -38,6 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="also train the acoustic K/V projections (paper; slower on CPU)")
     tr.add_argument("--draft-vocab-top", type=int, default=d.draft_vocab_top,
                     help="draft vocabulary: ids below this + specials + training labels (0 = full vocabulary)")
+    tr.add_argument("--onpolicy", type=float, default=d.onpolicy, metavar="SHARE",
+                    help="share of anchors drawn from where the current drafter's greedy decoding starts its "
+                    "rounds (right after a rejection); the rest evenly (default 0: all evenly)")
+    tr.add_argument("--select", choices=("rollout_tau", "tau"), default=d.select,
+                    help="validation figure that picks the best checkpoint: rollout_tau (greedy decoding "
+                    "replayed on the held-out teacher tokens, default) or tau (evenly spaced anchors)")
     tr.add_argument("--init", default="", metavar="DRAFTER",
                     help="warm start from this drafter directory (same target and shape), e.g. the shipped one")
     tr.add_argument("--threads", type=int, default=None)
@@ -68,6 +74,8 @@ def _train(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.lr <= 0 or not 0 <= args.warmup < 1:
         raise UserError("--lr must be > 0 and --warmup in [0, 1)")
+    if not 0.0 <= args.onpolicy <= 1.0:
+        raise UserError(f"--onpolicy must be between 0 and 1, got {args.onpolicy}")
     if args.no_audio and args.no_history:
         raise UserError("--no-audio and --no-history together leave the drafter nothing to read")
     for folder in [*args.teacher, *args.validation]:
@@ -79,6 +87,7 @@ def _train(args) -> int:
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
         freeze_acoustic_kv=not args.train_acoustic_kv, draft_vocab_top=args.draft_vocab_top,
+        onpolicy=args.onpolicy, select=args.select,
         init=str(Path(args.init).resolve()) if args.init else "", threads=args.threads, device=args.device,
     )
     summary = Trainer(options, progress=not args.quiet).run()
