@@ -86,8 +86,11 @@ def test_bench_writes_the_schema_and_outputs_match(capsys, tmp_path, tiny_en_mod
         (["transcribe", "{good}", "--temperature", "-1"], "temperature"),
         (["bench", "--audio", "{good}", "--batch-sizes", "1,x", "--json", "{out}"], "batch-sizes"),
         (["bench", "--manifest", "/nonexistent/m.jsonl", "--json", "{out}"], "manifest"),
+        (["train", "--teacher", "/nonexistent/t", "--out", "{out}", "--onpolicy", "1.5"], "--onpolicy"),
+        (["train", "--teacher", "/nonexistent/t", "--out", "{out}"], "not a teacher extraction"),
     ],
-    ids=["missing-file", "unreadable-audio", "unknown-model", "batch-size-0", "negative-temperature", "bad-batch-sizes", "missing-manifest"],
+    ids=["missing-file", "unreadable-audio", "unknown-model", "batch-size-0", "negative-temperature", "bad-batch-sizes",
+         "missing-manifest", "onpolicy-out-of-range", "missing-teacher"],
 )
 def test_bad_input_is_one_line_error_exit_2(capsys, tmp_path, two_clips, argv, message):
     bad = tmp_path / "bad.wav"

@@ -147,7 +147,7 @@ def test_on_policy_training_draws_from_the_drafters_own_rollout(teacher, tiny_en
     utts, anchors = trainer.batch_for(0)
     for utt, picks in zip(utts, anchors):
         visited = trainer.rollout_of(utt)
-        assert set(picks) >= set(visited[: trainer.options.anchors]) or set(picks) <= set(visited)
+        # share 1.0: every anchor from the rollout while it has enough, all of the rollout otherwise
         assert sum(t in visited for t in picks) == min(len(visited), trainer.options.anchors)
 
 
