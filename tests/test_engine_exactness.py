@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.engine.prompt import build_prompt
-from sglang_omni_flash.engine.proposers import AdversarialProposer, OracleProposer, RandomProposer
+from sglang_omni_flash.engine.proposers import AdversarialProposer, LogitsProposer, OracleProposer, RandomProposer
 
 K = 8
 
@@ -210,14 +210,85 @@ def test_confidence_cut_changes_the_cost_never_the_output(case, batch):
     """The real drafter with its blocks cut where its own probability drops (`min_draft_prob`):
     fewer candidates per round, same tokens; 0 proposes every candidate the budget allows."""
     rows = case.subset(2 * batch, offset=7)
-    full = case.run(rows=rows, batch_size=batch, min_draft_prob=0.0)
-    cut = case.run(rows=rows, batch_size=batch, min_draft_prob=0.5)
+    full = case.run(rows=rows, batch_size=batch, min_draft_prob=0.0, tree_nodes=0)
+    cut = case.run(rows=rows, batch_size=batch, min_draft_prob=0.5, tree_nodes=0)
     assert tokens(full) == tokens(cut) == case.refs(rows)
     per_round = lambda results: sum(r.proposed for r in results) / sum(r.rounds for r in results)  # noqa: E731
     assert per_round(cut) < per_round(full)
     assert all(r.proposed >= r.rounds for r in cut)  # at least one candidate every round
-    stamped = case.run(rows=rows[:3], timestamps=True, min_draft_prob=0.5)  # the per-position rule path
+    stamped = case.run(rows=rows[:3], timestamps=True, min_draft_prob=0.5, tree_nodes=0)  # per-position rules
     assert tokens(stamped) == tokens(case.run(rows=rows[:3], speculative=False, timestamps=True))
+
+
+# --------------------------------------------------------------------------------- draft trees
+
+
+def second_choice_proposer(case, want, wrong_at=2):
+    """First choice wrong at block position `wrong_at` (the adversary), the truth second: a chain
+    stops there every round, a draft tree walks on through the sibling."""
+    vocab = case.engine.target.vocab_size
+    return LogitsProposer(AdversarialProposer(want, wrong_at, vocab, K), vocab, second=OracleProposer(want, K))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_draft_tree_walks_through_second_choices_output_identical(case, batch):
+    """Accepted nodes off the first chain: their K/V and history states are moved to their
+    positions, and everything after depends on that being exact. Same tokens as greedy; the tree
+    accepts past the wrong position and needs fewer target calls than the chain."""
+    rows = list(range(8)) if batch == 8 else case.subset(3, offset=2)
+    want = case.refs(rows)
+    chain = case.run(second_choice_proposer(case, want), rows=rows, batch_size=batch, tree_nodes=0,
+                     min_draft_prob=0.0)
+    tree = case.run(second_choice_proposer(case, want), rows=rows, batch_size=batch, tree_nodes=16,
+                    tree_min_prob=0.0)
+    assert tokens(chain) == tokens(tree) == want
+    # (a chain still accepts past the wrong position where the rules suppress the adversary's token)
+    assert max(a for r in tree for a in r.accepted_lengths) == K
+    per_round = lambda results: sum(r.accepted for r in results) / sum(r.rounds for r in results)  # noqa: E731
+    assert per_round(tree) > 2 * per_round(chain)
+    assert sum(r.target_calls for r in tree) < sum(r.target_calls for r in chain)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 19])
+def test_draft_tree_budget_and_eos(case, budget):
+    """The R-1 rule in a tree (no node deeper than R-1), EOS inside the tree (nothing after it)."""
+    rows = list(range(8))
+    ref = [case.greedy[i][:budget] for i in rows]
+    results = case.run(second_choice_proposer(case, case.greedy, wrong_at=0), rows=rows,
+                       max_new_tokens=budget, tree_nodes=12, tree_min_prob=0.0)
+    assert tokens(results) == ref
+    assert all(len(r.tokens) <= budget for r in results)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_draft_tree_garbage_and_real_drafter_output_identical(case, batch):
+    """Random drafter logits (nothing accepted) and the model's own drafter (shipped for base,
+    untrained for tiny.en), both through trees with the CPU default threshold and without one."""
+    rows = case.subset(2 * batch, offset=5)
+    vocab = case.engine.target.vocab_size
+    garbage = LogitsProposer(RandomProposer(vocab, K, seed=batch), vocab, p_first=0.3, seed=batch)
+    assert tokens(case.run(garbage, rows=rows, batch_size=batch, tree_nodes=12)) == case.refs(rows)
+    for min_prob in (0.0, 0.02):
+        real = case.run(rows=rows, batch_size=batch, tree_nodes=12, tree_min_prob=min_prob)
+        assert tokens(real) == case.refs(rows)
+        assert all(r.rounds > 0 for r in real)
+
+
+def test_draft_tree_falls_back_to_chains_with_timestamps_and_sampling(case):
+    """Timestamp rules depend on each node's own prefix, and sampling needs the rejection rule:
+    those rounds stay chains whatever tree_nodes says (a 12-node tree of this proposer would propose
+    more than K nodes a round)."""
+    rows = case.subset(3, offset=3)
+    greedy = tokens(case.run(rows=rows, speculative=False, timestamps=True))
+    stamped = case.run(second_choice_proposer(case, greedy), rows=rows, timestamps=True, tree_nodes=12)
+    assert tokens(stamped) == greedy
+    assert all(r.proposed <= K * r.rounds for r in stamped)
+    tree = case.run(second_choice_proposer(case, case.refs(rows)), rows=rows, tree_nodes=12)
+    assert sum(r.proposed for r in tree) > K * sum(r.rounds for r in tree)  # the same proposer as a tree
+    sampled = case.run(second_choice_proposer(case, case.refs(rows)), rows=rows, temperature=0.7, seed=3,
+                       tree_nodes=12)
+    assert all(r.tokens and r.tokens[-1] == case.engine.special.eos for r in sampled)
+    assert all(r.proposed <= K * r.rounds for r in sampled)
 
 
 # ---------------------------------------------------------------------------------- timestamps

@@ -296,7 +296,7 @@ def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths
                                    init=str(SHIPPED_DRAFTERS_DIR / "base")), progress=False)
     save_drafter(trainer.drafter, tmp_path / "drafter")  # the trainer's own draft vocabulary
     engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), drafter=str(tmp_path / "drafter"),
-                                              speculative=True, min_draft_prob=0.0, drafter_int8=False))
+                                              speculative=True, min_draft_prob=0.0, drafter_int8=False, tree_nodes=0))
     _, utts = load_teacher(tmp_path / "teacher")
     by_id = {c.id: c for c in clips}
     same = calls = 0

@@ -23,13 +23,17 @@ import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.logit_rules import LogitRules
-from sglang_omni_flash.engine.options import EngineOptions, default_drafter_int8, default_min_draft_prob
+from sglang_omni_flash.engine.options import (
+    MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_tree,
+)
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
 from sglang_omni_flash.errors import UserError
 
-SLACK = 16  # cache slots past the decoder window: padded rows of a verify block write there
+# cache slots past the decoder window: padded rows of a verify block, and draft-tree nodes (slot
+# t + row, see flash.tree) near the end of the window, write there
+SLACK = 40
 
 
 def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
@@ -101,16 +105,20 @@ class TargetBackend:
         self.n = encoder_out.shape[0]
         self.target.fill_cross(encoder_out, self.cross)
 
-    def verify(self, tokens, positions, kv_len, want_history):
+    def verify(self, tokens, positions, kv_len, want_history, slots=None, attn_mask=None):
         n, t = tokens.shape
         history = self._history if (want_history and self._history is not None and t <= self._history.shape[1]) else None
-        if self.graphs_on:
+        if self.graphs_on and attn_mask is None:
             return self._graphs.run(tokens, positions, want_history)
         masked = not (t == 1 and self.target.device.type == "cpu" and bool((positions == kv_len - 1).all()))
         logits, states = self.target.forward(
-            tokens, positions, self.cache, self.cross, kv_len=kv_len, masked=masked, history_out=history
+            tokens, positions, self.cache, self.cross, kv_len=kv_len, masked=masked, history_out=history,
+            slots=slots, attn_mask=attn_mask,
         )
         return logits, (states if want_history else None)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.cache.move(src, dst)
 
     def commit(self, lengths: list[int]) -> None:
         pass  # lengths live with the decode loop; slots past them are masked by position
@@ -307,8 +315,15 @@ class WhisperFlashEngine:
             raise UserError(f"block size must be at least 1, got {options.block_size}")
         if options.min_draft_prob is not None and not 0.0 <= options.min_draft_prob <= 1.0:
             raise UserError(f"min_draft_prob must be between 0 and 1, got {options.min_draft_prob}")
+        if options.tree_nodes is not None and not 0 <= options.tree_nodes <= MAX_TREE_NODES:
+            raise UserError(f"tree_nodes must be between 0 and {MAX_TREE_NODES}, got {options.tree_nodes}")
+        if options.tree_min_prob is not None and not 0.0 <= options.tree_min_prob <= 1.0:
+            raise UserError(f"tree_min_prob must be between 0 and 1, got {options.tree_min_prob}")
         self.options = options
         self.device, self.dtype = resolve_device(options)
+        tree_nodes, tree_min_prob = default_tree(self.device.type)
+        self.tree_nodes = tree_nodes if options.tree_nodes is None else options.tree_nodes
+        self.tree_min_prob = tree_min_prob if options.tree_min_prob is None else options.tree_min_prob
         self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
                                else default_min_draft_prob(self.device.type))
         if options.threads is not None and self.device.type == "cpu":
@@ -449,6 +464,8 @@ class WhisperFlashEngine:
             generator,
             self.device,
             min_draft_prob=self.min_draft_prob,
+            tree_nodes=self.tree_nodes,
+            tree_min_prob=self.tree_min_prob,
         )
         results = decoder.run(prompts, [budget] * n, list(range(first_id, first_id + n)))
         sync()

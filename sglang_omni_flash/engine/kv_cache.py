@@ -32,6 +32,17 @@ class KVCache:
         v_all.index_put_(index, v)
         return k_all, v_all
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src [n, m] to slots dst [n, m] of rows 0..n-1, every layer at once
+        (a draft tree's accepted nodes to their positions; all reads happen before any write)."""
+        layers, _, heads, _, hd = self.k.shape
+        n, m = src.shape
+        src_i = src[None, :, None, :, None].expand(layers, n, heads, m, hd)
+        dst_i = dst[None, :, None, :, None].expand(layers, n, heads, m, hd)
+        for buf in (self.k, self.v):
+            rows = buf[:, :n]
+            rows.scatter_(3, dst_i, rows.gather(3, src_i))
+
     def compact(self, keep: torch.Tensor) -> None:
         """Move rows `keep` (ascending) to the front."""
         m = keep.numel()

@@ -16,6 +16,19 @@ def default_min_draft_prob(device_type: str) -> float:
     return CPU_MIN_DRAFT_PROB if device_type == "cpu" else 0.0
 
 
+# draft tree on a CPU: up to 8 nodes (the rows of a full chain), paths the drafter gives >= 5%
+# (docs/engine.md, "Draft trees": decode 1.94x -> 2.13x greedy on the test set); off (the paper's
+# chain) elsewhere until measured on a GPU
+CPU_TREE_NODES = 8
+CPU_TREE_MIN_PROB = 0.05
+MAX_TREE_NODES = 32  # fits the cache's slack past the decoder window (engine.SLACK)
+
+
+def default_tree(device_type: str) -> tuple[int, float]:
+    """(tree_nodes, tree_min_prob) when none are given."""
+    return (CPU_TREE_NODES, CPU_TREE_MIN_PROB) if device_type == "cpu" else (0, 0.0)
+
+
 def default_drafter_int8(device_type: str) -> bool:
     """drafter_int8 when none is given: int8 drafter weights on a CPU, where a drafter call costs the
     bytes it streams (about half the call's time, for 0.4% of tau on held-out data; docs/engine.md)."""
@@ -61,6 +74,12 @@ class EngineOptions:
     # run the drafter's per-round linears and head on int8 weights (CPU only; cost and proposals, never
     # output). None = by device: on for CPU
     drafter_int8: bool | None = None
+    # greedy rounds without timestamps verify a draft tree of up to this many nodes (the top tokens of
+    # the drafter's distributions, best-first by path probability) instead of one chain; output is
+    # the same, tokens per target call rise. 0 = the paper's chain. None = by device (default_tree)
+    tree_nodes: int | None = None
+    # tree nodes whose path probability under the drafter is below this are left out (>= 1 node)
+    tree_min_prob: float | None = None
 
     def with_(self, **changes) -> "EngineOptions":
         """A copy with some fields changed (the options object itself never changes)."""

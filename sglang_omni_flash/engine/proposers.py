@@ -4,6 +4,8 @@
                         is accepted, EOS lands inside a block, the R-1 budget cut bites.
 * `AdversarialProposer` the oracle, but wrong at one chosen block position: accepted stops there.
 * `RandomProposer`      uniformly random tokens: (almost) nothing is accepted.
+* `LogitsProposer`      any of them as drafter logits (a first and an optional second choice per
+                        position), so that the draft-tree path (`flash.tree`) sees them too.
 
 All of them return fixed tokens (`Proposal.tokens`); with temperature > 0 the loop treats them as
 a deterministic draft (q = one-hot), which the rejection rule handles exactly.
@@ -66,6 +68,37 @@ class RandomProposer:
         n = inputs.anchor.shape[0]
         tokens = torch.randint(0, self.vocab_size, (n, self.block_size), generator=self.generator)
         return Proposal(tokens=tokens.to(inputs.anchor.device))
+
+    def observe(self, states, positions) -> None:
+        pass
+
+    def retire(self, keep) -> None:
+        pass
+
+
+class LogitsProposer:
+    """Drafter-like logits from fixed-token proposers: at every position `first`'s token gets
+    probability ~`p_first`, `second`'s (if given, and different) ~`p_second`, and the rest of the
+    mass is spread at random over the vocabulary (seeded), so a draft tree has real siblings."""
+
+    def __init__(self, first, vocab_size: int, second=None, p_first: float = 0.7, p_second: float = 0.25,
+                 seed: int = 0):
+        self.first, self.second = first, second
+        self.block_size = first.block_size
+        self.vocab_size = vocab_size
+        self.p_first, self.p_second = p_first, p_second
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, inputs: RoundInputs) -> Proposal:
+        top = self.first.propose(inputs).tokens.cpu()
+        n, k = top.shape
+        rest = 1.0 - self.p_first - (self.p_second if self.second is not None else 0.0)
+        noise = torch.rand(n, k, self.vocab_size, generator=self.generator)
+        probs = rest * noise / noise.sum(-1, keepdim=True)
+        if self.second is not None:
+            probs.scatter_add_(2, self.second.propose(inputs).tokens.cpu()[..., None], torch.full((n, k, 1), self.p_second))
+        probs.scatter_add_(2, top[..., None], torch.full((n, k, 1), self.p_first))
+        return Proposal(logits=probs.log().to(inputs.anchor.device))
 
     def observe(self, states, positions) -> None:
         pass

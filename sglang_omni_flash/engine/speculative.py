@@ -17,6 +17,10 @@ position i including the earlier candidates, so greedy output is the target's ow
 token for token (with or without timestamps); with T > 0 the rejection rule keeps the target's
 sampling distribution.
 
+Greedy rounds under prefix-free rules may verify a draft tree instead of one chain (`tree_round`,
+`flash.tree`): several continuations in the same single pass, the accepted path's K/V moved to its
+positions afterwards; the output is the same greedy transcript.
+
 Two small protocols make the loop reusable: a `VerifyBackend` runs the target (the standalone
 transformers-weights engine here; an SGLang-Omni worker later), a `Proposer` makes candidates
 (the Whisper-Flash drafter, or oracle/random/adversarial proposers in tests). Without a proposer the
@@ -34,6 +38,9 @@ from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
+from sglang_omni_flash.flash.tree import (
+    build_tree, greedy_tree_accept, move_plan, tree_attention_mask, tree_positions,
+)
 
 
 # ---------------------------------------------------------------------------------- protocols
@@ -42,11 +49,18 @@ from sglang_omni_flash.flash.accept import (
 class VerifyBackend(Protocol):
     """Runs the target over rows 0..n-1 of the active batch (rows are compacted, see `retire`)."""
 
-    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, want_history: bool):
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, want_history: bool,
+               slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None):
         """tokens, positions [n, T] -> (logits [n, T, V] raw, history states [n, T, n_hist, d] or None).
 
         Writes the K/V of every new position into the cache (positions are each row's own; slots
-        past a row's committed length are free to overwrite). kv_len = 1 + the largest position."""
+        past a row's committed length are free to overwrite). kv_len = 1 + the largest position.
+        A draft tree gives the slots [n, T] to write (else the positions) and its own attention
+        mask [n, 1, T, kv_len] (else causal by position); kv_len is then 1 + the largest slot."""
+        ...
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src [n, m] to slots dst [n, m] (draft trees only)."""
         ...
 
     def commit(self, lengths: list[int]) -> None:
@@ -137,8 +151,14 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
         device="cpu",
         min_draft_prob: float = 0.0,
+        tree_nodes: int = 0,
+        tree_min_prob: float = 0.0,
     ):
         self.backend = backend
+        # greedy rounds without timestamp rules verify a draft tree of this many nodes instead of
+        # one chain (`flash.tree`; 0 = the paper's chain); the backend must offer `move`
+        self.tree_nodes = int(tree_nodes)
+        self.tree_min_prob = float(tree_min_prob)
         # propose only the leading candidates the drafter gives >= this probability (at least one):
         # fewer verify rows, same output (`flash.accept.confident_length`)
         self.min_draft_prob = float(min_draft_prob)
@@ -197,6 +217,9 @@ class SpeculativeDecoder:
 
         # propose: rules at every position, prefix including earlier candidates
         sampling = self.temperature > 0
+        if (self.tree_nodes > 0 and proposal.logits is not None and not sampling
+                and not self.rules.needs_prefix_tensors):
+            return self.tree_round(rows, results, proposal, anchor, anchor_pos, kv_len, num)
         prefixes = [self._prefix(rows)]
         draft_probs = shaped = None
         if proposal.tokens is not None:  # fixed tokens (tests): taken as they are
@@ -270,6 +293,53 @@ class SpeculativeDecoder:
             out.accepted_lengths.append(a)
             row.cache_len += 1 + a
             self._emit(row, cand[i][:a] if eos_accepted[i] else cand[i][:a] + [next_token[i]])
+        self.backend.commit([r.cache_len for r in rows])
+        return self._finish(rows)
+
+    def tree_round(self, rows, results, proposal, anchor, anchor_pos, kv_len, num) -> list[_Row]:
+        """A greedy round over a draft tree (prefix-free rules only: each node's rules depend on its
+        depth alone, and no rule acts past the first generated position except token suppression)."""
+        n, k = len(rows), max(num)
+        first = self._prefix(rows)
+        lengths = Prefix.lengths_only(first.min_length, first.max_length + k)
+        shaped = self.rules.apply(proposal.logits[:, :k], lengths)
+        tree = build_tree(torch.softmax(shaped.float(), dim=-1), num, self.tree_nodes,
+                          min_path_prob=self.tree_min_prob)
+
+        # verify: anchor + every node in one pass, each row seeing its own ancestors only
+        tokens = torch.cat([anchor[:, None], tree.tokens], 1)
+        t = tokens.shape[1]
+        slots = anchor_pos[:, None] + torch.arange(t, device=self.device)
+        width = kv_len + t - 1
+        mask = tree_attention_mask(tree, anchor_pos, width)
+        logits, states = self.backend.verify(tokens, tree_positions(tree, anchor_pos), width,
+                                             want_history=True, slots=slots, attn_mask=mask)
+        picks = self.rules.apply(logits, lengths).argmax(-1)
+
+        # accept, then bring the accepted nodes' K/V and history states to positions t+1..t+a
+        anchor_list = anchor_pos.tolist()
+        accepted, paths, next_token, eos_accepted = greedy_tree_accept(tree, picks.tolist(), num, self.eos_id)
+        plan = move_plan(anchor_list, paths, max(accepted))
+        if plan is not None:
+            self.backend.move(*(torch.tensor(x, dtype=torch.long, device=self.device) for x in plan))
+        width = max(accepted)  # history of anchor + accepted nodes (the rest is overwritten later anyway)
+        path_rows = torch.tensor([[0] + p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=self.device)
+        if states is not None:
+            states = states.gather(1, path_rows[:, :, None, None].expand(-1, -1, *states.shape[2:]))
+        self.proposer.observe(states, anchor_pos[:, None] + torch.arange(width + 1, device=self.device))
+        proposed = tree.valid.sum(1).tolist()
+        for i, row in enumerate(rows):
+            a = accepted[i]
+            out = results[row.rid]
+            out.target_calls += 1
+            out.rounds += 1
+            out.proposed += proposed[i]
+            out.accepted += a
+            out.first_accepts += int(a > 0)
+            out.accepted_lengths.append(a)
+            row.cache_len += 1 + a
+            emitted = [tree.token_lists[i][r - 1] for r in paths[i]]
+            self._emit(row, emitted if eos_accepted[i] else emitted + [next_token[i]])
         self.backend.commit([r.cache_len for r in rows])
         return self._finish(rows)
 

@@ -92,6 +92,8 @@ class WhisperTarget:
         masked: bool = True,
         last_only: bool = False,
         history_out: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ):
         """Run rows 0..n-1 over new tokens [n, T] at positions [n, T].
 
@@ -99,6 +101,8 @@ class WhisperTarget:
         into the cache at that position. `kv_len` limits attention to the first kv_len cache slots
         (None: the whole static cache, as CUDA graphs need); `masked=False` is allowed when every
         row's positions are the last kv_len-T..kv_len-1 slots (one token, equal lengths).
+        A draft tree (`flash.tree`) passes `slots` [n, T] (where the new K/V go; default: the
+        positions) and its own `attn_mask` [n, 1, T, kv_len] instead of the causal one.
         Returns logits [n, T, V] (or [n, 1, V] with last_only) and history [n, T, n_hist, d]
         (written into `history_out[:n, :T]` when given).
         """
@@ -109,8 +113,10 @@ class WhisperTarget:
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
         h = h + pos_emb
-        mask = None
-        if masked:
+        mask = attn_mask
+        if slots is None:
+            slots = positions
+        if mask is None and masked:
             key_pos = torch.arange(w, device=tokens.device)
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # [n, 1, T, w]
         if history_out is None and self.history_layers:
@@ -120,7 +126,7 @@ class WhisperTarget:
             x = _ln(h, lw.ln1)
             qkv = lw.qkv(x).view(n, t, 3, self.heads, self.head_dim)
             q = (qkv[:, :, 0] * self.scaling).transpose(1, 2)
-            k_all, v_all = cache.update(i, positions, qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
+            k_all, v_all = cache.update(i, slots, qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
             a = F.scaled_dot_product_attention(q, k_all[:, :, :w], v_all[:, :, :w], attn_mask=mask, scale=1.0)
             h = h + lw.o(a.transpose(1, 2).reshape(n, t, self.d_model))
             # cross-attention to the encoder output
