@@ -7,6 +7,7 @@ What it checks, on CUDA in float16 with CUDA graphs (prefill, each verify length
   1. exactness: Whisper-Flash tokens == greedy tokens (same graph-captured target) with the
      drafter the engine picks (shipped, else untrained), an oracle proposer (everything accepted,
      EOS inside a block) and an adversarial one (wrong at block position 3), at every batch size;
+     and a greedy draft tree of --tree-nodes nodes (verified eagerly: no CUDA graph for a tree mask);
   2. graphs vs eager: greedy through CUDA graphs vs greedy without them (fp16 ties may differ on a
      few tokens, as the paper's A.5 notes; reported, not failed);
   3. timing: greedy and Whisper-Flash, median of repeats, from log-mel to the last token,
@@ -64,6 +65,7 @@ def main() -> int:
     p.add_argument("--clips", type=int, default=16)
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tree-nodes", type=int, default=16, help="draft-tree engine's nodes (0: skip it)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
@@ -79,6 +81,13 @@ def main() -> int:
     audio_s = sum(min(len(w) / 16000, 30.0) for w in waves)
     engine = WhisperFlashEngine(EngineOptions(model=args.model, drafter=args.drafter, batch_size=sizes[0], device="cuda"))
     features = engine.log_mel(waves)
+    tree_engine = None
+    if args.tree_nodes and engine.drafter is not None:
+        tree_engine = WhisperFlashEngine(
+            EngineOptions(model=args.model, batch_size=sizes[0], device="cuda", tree_nodes=args.tree_nodes,
+                          tree_min_prob=0.0),
+            model=engine.model, drafter=engine.drafter,
+        )
     eager = WhisperFlashEngine(
         EngineOptions(model=args.model, batch_size=max(sizes), device="cuda", cuda_graphs=False, speculative=False),
         model=engine.model,
@@ -102,21 +111,34 @@ def main() -> int:
         oracle = engine.decode(features, speculative=True, proposer=OracleProposer(greedy, engine.proposer.block_size))
         adversary = AdversarialProposer(greedy, 3, engine.target.vocab_size, engine.proposer.block_size)
         adversarial = engine.decode(features, speculative=True, proposer=adversary)
+        tree = None
+        if tree_engine is not None:
+            tree_engine.resize(b)
+            tree = tree_engine.decode(features, speculative=True)
         checks = {
             "flash_identical": sum(f.tokens == g for f, g in zip(flash, greedy)),
             "oracle_identical": sum(f.tokens == g for f, g in zip(oracle, greedy)),
             "adversarial_identical": sum(f.tokens == g for f, g in zip(adversarial, greedy)),
             "graph_vs_eager_greedy_identical": sum(a == g for a, g in zip(eager_tokens, greedy)),
         }
-        ok &= all(checks[k] == len(greedy) for k in ("flash_identical", "oracle_identical", "adversarial_identical"))
+        exact = ["flash_identical", "oracle_identical", "adversarial_identical"]
+        if tree is not None:
+            checks["tree_identical"] = sum(f.tokens == g for f, g in zip(tree, greedy))
+            exact.append("tree_identical")
+        ok &= all(checks[k] == len(greedy) for k in exact)
         times = {False: [], True: []}
         for r in range(args.repeats):
             for spec in (False, True) if r % 2 == 0 else (True, False):
                 engine.decode(features, speculative=spec)
                 times[spec].append((engine.timing.total_s, engine.timing.encoder_s))
+            if tree_engine is not None:
+                tree_engine.decode(features, speculative=True)
+                times.setdefault("tree", []).append((tree_engine.timing.total_s, tree_engine.timing.encoder_s))
         tokens = sum(len(g) for g in greedy)
         row = {"batch_size": b, "total": len(greedy), **checks}
-        for name, spec in (("greedy", False), ("flash", True)):
+        for name, spec in (("greedy", False), ("flash", True), ("flash_tree", "tree")):
+            if spec not in times:
+                continue
             total = statistics.median(t for t, _ in times[spec])
             enc = statistics.median(e for _, e in times[spec])
             row[name] = {
@@ -129,6 +151,9 @@ def main() -> int:
         row["flash"]["alpha"] = round(sum(f.accepted for f in flash) / proposed, 4) if proposed else 0.0
         row["flash"]["tau"] = round(sum(len(f.tokens) for f in flash) / calls, 3)
         row["speedup"] = round(row["flash"]["audio_s_per_s"] / row["greedy"]["audio_s_per_s"], 3)
+        if tree is not None:
+            row["flash_tree"]["tau"] = round(sum(len(f.tokens) for f in tree) / sum(f.target_calls for f in tree), 3)
+            row["tree_speedup"] = round(row["flash_tree"]["audio_s_per_s"] / row["greedy"]["audio_s_per_s"], 3)
         row["oracle_tau"] = round(sum(len(f.tokens) for f in oracle) / sum(f.target_calls for f in oracle), 3)
         report["results"].append(row)
         print(json.dumps(row), file=sys.stderr)

@@ -72,7 +72,8 @@ def resolved(base_model_dir, tmp_path_factory):
         "flag": {"model_path": str(base_model_dir),
                  "argv": ["--asr.speculative", "whisper-flash", "--asr.speculative_num_draft_tokens", "6",
                           "--asr.speculative_draft_model_path", "/some/drafter",
-                          "--asr.speculative_min_draft_prob", "0.3", "--asr.speculative_drafter_int8", "false"]},
+                          "--asr.speculative_min_draft_prob", "0.3", "--asr.speculative_drafter_int8", "false",
+                          "--asr.speculative_tree_nodes", "12", "--asr.speculative_tree_min_prob", "0.1"]},
         "flash_yaml": {"config": str(flash_yaml)},
         "stock_yaml": {"config": str(stock_yaml)},
     }
@@ -105,6 +106,8 @@ def test_flag_resolves_to_the_plugin_config_and_reaches_the_factory(resolved):
     assert flag["kwargs"]["speculative_draft_model_path"] == "/some/drafter"
     assert flag["kwargs"]["speculative_min_draft_prob"] == 0.3
     assert flag["kwargs"]["speculative_drafter_int8"] is False
+    assert flag["kwargs"]["speculative_tree_nodes"] == 12
+    assert flag["kwargs"]["speculative_tree_min_prob"] == 0.1
 
 
 def test_without_the_flag_the_factory_gets_exactly_the_stock_kwargs(resolved):
@@ -127,6 +130,8 @@ def test_yaml_config_cls_resolves_plugin_and_stock_classes(resolved):
     assert resolved["flash_yaml"]["kwargs"]["speculative_num_draft_tokens"] == 4
     assert resolved["flash_yaml"]["kwargs"]["speculative_min_draft_prob"] is None  # unset: by device
     assert resolved["flash_yaml"]["kwargs"]["speculative_drafter_int8"] is None  # unset: by device
+    assert resolved["flash_yaml"]["kwargs"]["speculative_tree_nodes"] is None  # unset: by device
+    assert resolved["flash_yaml"]["kwargs"]["speculative_tree_min_prob"] is None
     assert resolved["stock_yaml"]["config_cls"] == "WhisperASRPipelineConfig"
     assert resolved["stock_yaml"]["factory_path"] == STOCK_FACTORY
 

@@ -291,3 +291,34 @@ def test_acceptance_metrics_are_exported_by_the_stage(spec_server, spec_results)
         assert (r["proposed"], r["accepted"], r["target_calls"], r["output_tokens"]) == (
             proposed, accepted, calls, len(ids))
     assert 0 < stats["recent_tokens_per_target_call"] < 9
+
+
+@pytest.fixture(scope="module")
+def chain_server(base_model_dir, spec_results, tmp_path_factory):
+    """The worker with draft trees off (`--asr.speculative_tree_nodes 0`: the paper's chain of
+    candidates, cut where the drafter doubts); starts after the speculative clips are done."""
+    log = tmp_path_factory.mktemp("chain") / "sgl-omni.log"
+    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
+                         extra_args=("--asr.speculative", "whisper-flash", "--asr.speculative_tree_nodes", "0")))
+    yield srv
+    srv.stop()
+
+
+def test_chain_worker_is_identical_to_plain_and_the_tree_needs_fewer_target_calls(
+        chain_server, spec_server, plain_results, clips):
+    """Every clip through the chain worker (json, 4 at a time): the same bodies as the plain server.
+    The default (tree) server decoded the same json requests first: its target calls per generated
+    token are fewer, as trees verify several continuations in each pass."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = dict(zip((c.id for c in clips),
+                           pool.map(lambda c: answer(transcribe(chain_server, c, response_format="json"), "json"),
+                                    clips)))
+    different = [cid for cid, got in answers.items() if got != plain_results["json"][cid]]
+    assert not different, {cid: (plain_results["json"][cid], answers[cid]) for cid in different[:3]}
+
+    def calls_per_token(server):
+        lines = [line for line in finish_lines(server) if line[5]][: len(clips)]  # the json pass came first
+        assert len(lines) == len(clips)
+        return sum(line[3] for line in lines) / sum(len(line[5]) for line in lines)
+
+    assert calls_per_token(spec_server) < calls_per_token(chain_server)

@@ -36,3 +36,22 @@ def test_slice_and_gather_give_identical_attention():
     scattered = run[torch.randperm(run.numel(), generator=g)]
     assert _run_start(scattered) is None
     assert torch.equal(_rows(pool_k, scattered, None), pool_k[scattered])
+
+
+def test_tree_rows_have_depth_positions_and_ancestor_masks():
+    """A draft tree's verify row (spec_runner builds it from flash.tree.build_tree): node r sits at
+    L + depth and sees the prefix, the anchor and its own ancestors; the anchor row is row 0."""
+    from sglang_omni_flash.integration.verify import VerifyRow
+
+    # nodes: 1 = child of the anchor, 2 = child of 1, 3 = child of the anchor
+    tree = VerifyRow(row=0, encoder_len=1500, prefix_len=3, tokens=(50, 7, 8, 9), depths=(1, 2, 1), parents=(0, 1, 0))
+    assert tree.positions() == [3, 4, 5, 4]
+    assert tree.mask("cpu").int().tolist() == [
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 0, 0, 1],
+    ]
+    chain = VerifyRow(row=0, encoder_len=1500, prefix_len=3, tokens=(50, 7, 8))
+    assert chain.positions() == [3, 4, 5]
+    assert chain.mask("cpu").int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]

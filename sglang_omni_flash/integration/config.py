@@ -44,6 +44,13 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # Run the drafter's per-round linears and head on int8 weights (CPU only; proposals and cost
     # change, never the output). None: by device, on for CPU.
     speculative_drafter_int8: bool | None = None
+    # Greedy steps verify a draft tree of up to this many nodes per request (the drafter's likeliest
+    # continuations sharing their prefixes; flash/tree.py) instead of one chain: more tokens per
+    # target pass, same output. 0: the paper's chain. None: by device, 8 on CPU and 0 on CUDA.
+    speculative_tree_nodes: int | None = Field(default=None, ge=0, le=32)
+    # Tree nodes whose path probability under the drafter is below this are left out (>= 1 node).
+    # None: by device (0.05 on CPU).
+    speculative_tree_min_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -83,6 +90,8 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
             "speculative_min_draft_prob": self.speculative_min_draft_prob,
             "speculative_drafter_int8": self.speculative_drafter_int8,
+            "speculative_tree_nodes": self.speculative_tree_nodes,
+            "speculative_tree_min_prob": self.speculative_tree_min_prob,
         }
 
 

@@ -36,10 +36,11 @@ from torch import Tensor
 
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.engine.options import default_min_draft_prob
+from sglang_omni_flash.engine.options import default_min_draft_prob, default_tree
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
+from sglang_omni_flash.flash.tree import DraftTree, build_tree, greedy_tree_accept
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
@@ -129,6 +130,8 @@ class _Plan:
     candidates: list[int] = field(default_factory=list)
     draft_probs: Tensor | None = None  # [k, V] at T > 0
     slots: Tensor | None = None  # [k] extra KV slots
+    tree: DraftTree | None = None  # greedy draft tree: then k = its nodes, candidates = their tokens
+    room: int = 0  # free req_to_token positions after the anchor (a tree's nodes sit there while verified)
 
 
 def _sampling_ok(req) -> bool:
@@ -157,7 +160,8 @@ class WhisperFlashModelRunner(ModelRunner):
     """sglang-omni's ASR model runner with Whisper-Flash speculative decode steps."""
 
     def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, num_draft_tokens: int,
-                 min_draft_prob: float | None = None, max_backoff: int = 8):
+                 min_draft_prob: float | None = None, max_backoff: int = 8, tree_nodes: int | None = None,
+                 tree_min_prob: float | None = None):
         super().__init__(tp_worker, output_processor)
         self.drafter = drafter
         # Candidates are proposed while the drafter's probability of its own token is >= this
@@ -167,6 +171,11 @@ class WhisperFlashModelRunner(ModelRunner):
         if min_draft_prob is None:
             min_draft_prob = default_min_draft_prob(next(drafter.parameters()).device.type)
         self.min_draft_prob = float(min_draft_prob)
+        # Greedy steps verify a draft tree of up to tree_nodes nodes per request instead of a chain
+        # (flash/tree.py; 0 = chain). None: by device, as the standalone engine.
+        nodes, min_prob = default_tree(next(drafter.parameters()).device.type)
+        self.tree_nodes = nodes if tree_nodes is None else int(tree_nodes)
+        self.tree_min_prob = min_prob if tree_min_prob is None else float(tree_min_prob)
         self.max_backoff = int(max_backoff)
         self.tap = tap
         self.k = min(int(num_draft_tokens), drafter.config.block_size)
@@ -289,6 +298,8 @@ class WhisperFlashModelRunner(ModelRunner):
         anchors = forward_batch.input_ids.tolist()
         seq_lens = schedule_batch.seq_lens_cpu.tolist()
         pool_rows = schedule_batch.req_pool_indices.tolist()
+        enc_lens = list(schedule_batch.encoder_lens_cpu or [0] * len(reqs))
+        width = schedule_batch.req_to_token_pool.req_to_token.shape[1]
         plans = []
         for i, req in enumerate(reqs):
             state = self.states.get(req.rid)
@@ -301,7 +312,9 @@ class WhisperFlashModelRunner(ModelRunner):
             if k and state.skip > 0:
                 state.skip -= 1
                 k = 0
-            plans.append(_Plan(index=i, row=int(pool_rows[i]), state=state, anchor=int(anchors[i]), prefix_len=L, k=k))
+            room = width - int(enc_lens[i]) - L - 1
+            plans.append(_Plan(index=i, row=int(pool_rows[i]), state=state, anchor=int(anchors[i]), prefix_len=L, k=k,
+                               room=room))
         if not any(p.k for p in plans):
             return self._stock_step()
         with torch.inference_mode():
@@ -341,6 +354,13 @@ class WhisperFlashModelRunner(ModelRunner):
             if bias is not None:
                 logits = logits + bias.to(logits.device, logits.dtype)
             temperature = _temperature(req)
+            if temperature == 0 and self.tree_nodes > 0 and p.room > 0:
+                # a greedy draft tree: its nodes are this step's candidates (slots, verify rows)
+                p.tree = build_tree(torch.softmax(logits, dim=-1)[None], [p.k], min(self.tree_nodes, p.room),
+                                    min_path_prob=self.tree_min_prob)
+                p.candidates = p.tree.token_lists[0][: int(p.tree.valid.sum())]
+                p.k = len(p.candidates)
+                continue
             if temperature > 0:
                 p.draft_probs = probs_from_logits(logits, temperature)
                 cands = sample_tokens(p.draft_probs)
@@ -415,8 +435,11 @@ class WhisperFlashModelRunner(ModelRunner):
 
         # 3. one target pass over anchor + candidates of every request
         t1 = time.perf_counter()
-        rows = [VerifyRow(row=p.row, encoder_len=enc_lens[p.index],
-                          prefix_len=p.prefix_len, tokens=(p.anchor, *p.candidates)) for p in plans]
+        rows = [VerifyRow(row=p.row, encoder_len=enc_lens[p.index], prefix_len=p.prefix_len,
+                          tokens=(p.anchor, *p.candidates),
+                          depths=None if p.tree is None else tuple(p.tree.depth[0, : p.k].tolist()),
+                          parents=None if p.tree is None else tuple(p.tree.parent[0, : p.k].tolist()))
+                for p in plans]
         out = verify_forward(self.model, self.tp_worker.model_runner.token_to_kv_pool, req_to_token, rows,
                              self.drafter.config.history_layers)
 
@@ -435,20 +458,39 @@ class WhisperFlashModelRunner(ModelRunner):
             cands = torch.tensor([p.candidates], dtype=torch.long, device=logits.device).view(1, p.k)
             n_prop = torch.tensor([p.k], device=logits.device)
             temperature = _temperature(req)
-            if temperature > 0:
+            path = None
+            if p.tree is not None:  # the walk through the tree; the accepted nodes' rows in order
+                depth = int(p.tree.depth[0, : p.k].max())
+                a_, paths, nxt_, _ = greedy_tree_accept(p.tree, [logits.argmax(-1).tolist()], [depth], eos_id=-1)
+                path = paths[0]
+                res = None
+            elif temperature > 0:
                 q = p.draft_probs[None] if p.k else torch.zeros(1, 0, logits.shape[-1], device=logits.device)
                 res = speculative_sample(cands, q, probs_from_logits(logits, temperature)[None], n_prop, eos_id=-1)
             else:
                 res = greedy_accept(cands, logits[None], n_prop, eos_id=-1)
-            a, nxt = int(res.accepted[0]), int(res.next_token[0])
+            if path is None:
+                a, nxt = int(res.accepted[0]), int(res.next_token[0])
+                path = list(range(1, a + 1))  # a chain: the first a candidates
+            else:
+                a, nxt = a_[0], nxt_[0]
+            accepted = [p.candidates[r - 1] for r in path]
             stops = set(req.sampling_params.stop_token_ids or ()) | set(req.eos_token_ids or ())
             for j in range(a):
-                if p.candidates[j] in stops:  # an accepted stop token ends the run; it is the step's token
-                    a, nxt = j, p.candidates[j]
+                if accepted[j] in stops:  # an accepted stop token ends the run; it is the step's token
+                    a, nxt = j, accepted[j]
                     break
+            accepted, path = accepted[:a], path[:a]
             if p.k:
-                allocator.free(p.slots[a:])
-            accepted = p.candidates[:a]
+                if p.tree is not None:  # positions L+1..L+a now map to the accepted nodes' slots
+                    pos0 = enc_lens[p.index] + p.prefix_len + 1
+                    keep = torch.tensor([r - 1 for r in path], dtype=torch.long, device=p.slots.device)
+                    req_to_token[p.row, pos0: pos0 + a] = p.slots[keep].to(req_to_token.dtype)
+                    rejected = torch.ones(p.k, dtype=torch.bool, device=p.slots.device)
+                    rejected[keep] = False
+                    allocator.free(p.slots[rejected])
+                else:
+                    allocator.free(p.slots[a:])
             req.output_ids.extend(accepted)
             req.kv.kv_committed_len += a
             req.kv.kv_allocated_len += a
@@ -456,7 +498,7 @@ class WhisperFlashModelRunner(ModelRunner):
             next_tokens.append(nxt)
             self.step_tokens[req.rid] = [*accepted, nxt]
             if p.state is not None:
-                self._append_history(p.state, out.history[lo: lo + a + 1], p.prefix_len)
+                self._append_history(p.state, out.history[[lo + r for r in [0, *path]]], p.prefix_len)
                 if p.k and a == 0:
                     self._back_off(p.state)
                 elif a:

@@ -36,6 +36,26 @@ class VerifyRow:
     encoder_len: int  # encoder slots at the start of the row (1500 for Whisper)
     prefix_len: int  # L: decoder positions already in the cache (the anchor's position)
     tokens: tuple[int, ...]  # [anchor, c_1..c_k]; their slots are at row positions enc+L .. enc+L+k
+    # a draft tree (flash/tree.py): verify row r > 0 holds a node at position L + depths[r-1] whose
+    # parent is verify row parents[r-1] (0 = the anchor); it attends to the prefix and its ancestors.
+    # None: a chain (row r at position L + r, causal).
+    depths: tuple[int, ...] | None = None
+    parents: tuple[int, ...] | None = None
+
+    def positions(self) -> list[int]:
+        if self.depths is None:
+            return [self.prefix_len + j for j in range(len(self.tokens))]
+        return [self.prefix_len] + [self.prefix_len + d for d in self.depths]
+
+    def mask(self, device) -> Tensor:
+        """[n, L + n] bool: which of the row's prefix + new slots each new row attends to."""
+        n, L = len(self.tokens), self.prefix_len
+        if self.parents is None:
+            return torch.arange(L + n, device=device)[None, :] <= (L + torch.arange(n, device=device))[:, None]
+        block = torch.eye(n, dtype=torch.bool)
+        for r, parent in enumerate(self.parents, start=1):  # parents come first: their rows are complete
+            block[r] |= block[parent]
+        return torch.cat([torch.ones(n, L, dtype=torch.bool), block], 1).to(device)
 
 
 @dataclass
@@ -91,9 +111,7 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
     for n in lengths:
         offsets.append(offsets[-1] + n)
     ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=device)
-    positions = torch.tensor(
-        [r.prefix_len + j for r in rows for j in range(len(r.tokens))], dtype=torch.long, device=device
-    )
+    positions = torch.tensor([p for r in rows for p in r.positions()], dtype=torch.long, device=device)
     # slots of the new positions, the self-attention K/V of the whole sequence, the encoder K/V
     table = [req_to_token[r.row] for r in rows]
     new_slots = torch.cat([
@@ -102,11 +120,7 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
     self_slots = [t[r.encoder_len: r.encoder_len + r.prefix_len + n].long() for t, r, n in zip(table, rows, lengths)]
     cross_slots = [t[: r.encoder_len].long() for t, r in zip(table, rows)]
     cross_starts = [_run_start(slots) for slots in cross_slots]  # encoder slots are allocated at once
-    causal = [
-        torch.arange(r.prefix_len + n, device=device)[None, :]
-        <= (r.prefix_len + torch.arange(n, device=device))[:, None]
-        for r, n in zip(rows, lengths)
-    ]
+    causal = [r.mask(device) for r in rows]
 
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
