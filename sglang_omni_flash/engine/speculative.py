@@ -282,19 +282,7 @@ class SpeculativeDecoder:
 
         # advance: keep anchor + accepted in cache and history, emit accepted + next anchor
         self.proposer.observe(states, positions)
-        for i, row in enumerate(rows):
-            a = accepted[i]
-            out = results[row.rid]
-            out.target_calls += 1
-            out.rounds += 1
-            out.proposed += num[i]
-            out.accepted += a
-            out.first_accepts += int(a > 0)
-            out.accepted_lengths.append(a)
-            row.cache_len += 1 + a
-            self._emit(row, cand[i][:a] if eos_accepted[i] else cand[i][:a] + [next_token[i]])
-        self.backend.commit([r.cache_len for r in rows])
-        return self._finish(rows)
+        return self._advance(rows, results, num, [c[:a] for c, a in zip(cand, accepted)], next_token, eos_accepted)
 
     def tree_round(self, rows, results, proposal, anchor, anchor_pos, kv_len, num) -> list[_Row]:
         """A greedy round over a draft tree (prefix-free rules only: each node's rules depend on its
@@ -317,19 +305,24 @@ class SpeculativeDecoder:
         picks = self.rules.apply(logits, lengths).argmax(-1)
 
         # accept, then bring the accepted nodes' K/V and history states to positions t+1..t+a
-        anchor_list = anchor_pos.tolist()
         accepted, paths, next_token, eos_accepted = greedy_tree_accept(tree, picks.tolist(), num, self.eos_id)
-        plan = move_plan(anchor_list, paths, max(accepted))
+        plan = move_plan(anchor_pos.tolist(), paths, max(accepted))
         if plan is not None:
             self.backend.move(*(torch.tensor(x, dtype=torch.long, device=self.device) for x in plan))
-        width = max(accepted)  # history of anchor + accepted nodes (the rest is overwritten later anyway)
-        path_rows = torch.tensor([[0] + p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=self.device)
+        depth = max(accepted)  # history of anchor + accepted nodes (the rest is overwritten later anyway)
+        path_rows = torch.tensor([[0] + p + [0] * (depth - len(p)) for p in paths], dtype=torch.long, device=self.device)
         if states is not None:
             states = states.gather(1, path_rows[:, :, None, None].expand(-1, -1, *states.shape[2:]))
-        self.proposer.observe(states, anchor_pos[:, None] + torch.arange(width + 1, device=self.device))
-        proposed = tree.valid.sum(1).tolist()
+        self.proposer.observe(states, anchor_pos[:, None] + torch.arange(depth + 1, device=self.device))
+        emitted = [[tree.token_lists[i][r - 1] for r in path] for i, path in enumerate(paths)]
+        return self._advance(rows, results, tree.valid.sum(1).tolist(), emitted, next_token, eos_accepted)
+
+    def _advance(self, rows, results, proposed: list[int], accepted: list[list[int]], next_token: list[int],
+                 eos_accepted: list[bool]) -> list[_Row]:
+        """After a round: count it, keep anchor + accepted candidates in the cache, emit the accepted
+        ones and the next anchor (not after an accepted EOS), and drop finished rows."""
         for i, row in enumerate(rows):
-            a = accepted[i]
+            a = len(accepted[i])
             out = results[row.rid]
             out.target_calls += 1
             out.rounds += 1
@@ -338,8 +331,7 @@ class SpeculativeDecoder:
             out.first_accepts += int(a > 0)
             out.accepted_lengths.append(a)
             row.cache_len += 1 + a
-            emitted = [tree.token_lists[i][r - 1] for r in paths[i]]
-            self._emit(row, emitted if eos_accepted[i] else emitted + [next_token[i]])
+            self._emit(row, accepted[i] if eos_accepted[i] else accepted[i] + [next_token[i]])
         self.backend.commit([r.cache_len for r in rows])
         return self._finish(rows)
 

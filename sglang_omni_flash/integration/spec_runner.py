@@ -455,25 +455,19 @@ class WhisperFlashModelRunner(ModelRunner):
             bias = self._bias(schedule_batch, p.index)
             if bias is not None:
                 logits = logits + bias.to(logits.device, logits.dtype)
-            cands = torch.tensor([p.candidates], dtype=torch.long, device=logits.device).view(1, p.k)
-            n_prop = torch.tensor([p.k], device=logits.device)
-            temperature = _temperature(req)
-            path = None
-            if p.tree is not None:  # the walk through the tree; the accepted nodes' rows in order
-                depth = int(p.tree.depth[0, : p.k].max())
-                a_, paths, nxt_, _ = greedy_tree_accept(p.tree, [logits.argmax(-1).tolist()], [depth], eos_id=-1)
-                path = paths[0]
-                res = None
-            elif temperature > 0:
-                q = p.draft_probs[None] if p.k else torch.zeros(1, 0, logits.shape[-1], device=logits.device)
-                res = speculative_sample(cands, q, probs_from_logits(logits, temperature)[None], n_prop, eos_id=-1)
+            if p.tree is not None:  # the walk through the tree (its depth was bounded by the budget when built)
+                (a,), (path,), (nxt,), _ = greedy_tree_accept(p.tree, [logits.argmax(-1).tolist()], [p.k], eos_id=-1)
             else:
-                res = greedy_accept(cands, logits[None], n_prop, eos_id=-1)
-            if path is None:
+                cands = torch.tensor([p.candidates], dtype=torch.long, device=logits.device).view(1, p.k)
+                n_prop = torch.tensor([p.k], device=logits.device)
+                temperature = _temperature(req)
+                if temperature > 0:
+                    q = p.draft_probs[None] if p.k else torch.zeros(1, 0, logits.shape[-1], device=logits.device)
+                    res = speculative_sample(cands, q, probs_from_logits(logits, temperature)[None], n_prop, eos_id=-1)
+                else:
+                    res = greedy_accept(cands, logits[None], n_prop, eos_id=-1)
                 a, nxt = int(res.accepted[0]), int(res.next_token[0])
                 path = list(range(1, a + 1))  # a chain: the first a candidates
-            else:
-                a, nxt = a_[0], nxt_[0]
             accepted = [p.candidates[r - 1] for r in path]
             stops = set(req.sampling_params.stop_token_ids or ()) | set(req.eos_token_ids or ())
             for j in range(a):
