@@ -3,7 +3,7 @@
 For base and tiny.en, on the corpus test-set clips: the engine's greedy equals transformers
 `generate()` (same features, same prompt); and Whisper-Flash equals the engine's greedy with an
 oracle proposer (everything accepted, EOS inside a block, the R-1 budget cut), an adversarial one
-(wrong at a chosen block position), a random one (nothing accepted) and the real untrained drafter,
+(wrong at a chosen block position), a random one (nothing accepted), the real untrained drafter and the shipped trained one,
 at batch sizes 1, 3 and 8, with and without timestamps. Sampling runs end to end with a seed.
 
 Cost control (2 shared CPU cores): every clip is encoded once per model and decoded from its
@@ -13,6 +13,7 @@ encoder output; the full set runs at batch 8, subsets at batch 1 and 3.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.engine.prompt import build_prompt
 from sglang_omni_flash.engine.proposers import AdversarialProposer, LogitsProposer, OracleProposer, RandomProposer
+from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
 
 K = 8
 
@@ -198,11 +200,28 @@ def test_random_drafter_output_identical(case, batch):
 
 
 def test_untrained_drafter_output_identical_at_batch_3(case):
-    """The real drafter network: history by position, acoustic K/V once, compaction on finish."""
+    """The real drafter network, untrained (it proposes what Whisper's first two blocks guess):
+    history by position, acoustic K/V once, compaction on finish."""
     rows = case.subset(4, offset=4)
-    results = case.run(rows=rows, batch_size=3)
+    untrained = WhisperFlashDrafter.from_target(case.engine.model)
+    engine = WhisperFlashEngine(case.engine.options.with_(batch_size=3), model=case.engine.model, drafter=untrained)
+    results = engine.decode(encoder_out=case.encoded[rows], speculative=True)
     assert tokens(results) == case.refs(rows)
     assert all(r.rounds > 0 for r in results)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_shipped_drafter_is_found_and_output_identical(case, batch):
+    """Each embedded model has a trained drafter in the package (drafters/base, drafters/tiny.en):
+    the engine finds it with no flag, its output is the engine's greedy, and it is the trained one
+    (an untrained or mismatched drafter gets ~1 token per target call; see docs/training.md)."""
+    assert case.engine.drafter_source.startswith("shipped: ")
+    assert Path(case.engine.drafter_source.split(": ", 1)[1]).name == case.name
+    rows = case.subset(3 * batch, offset=2)
+    results = case.run(rows=rows, batch_size=batch)
+    assert tokens(results) == case.refs(rows)
+    emitted = sum(len(r.tokens) for r in results)
+    assert emitted / sum(r.target_calls for r in results) > 1.5
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -262,8 +281,8 @@ def test_draft_tree_budget_and_eos(case, budget):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_draft_tree_garbage_and_real_drafter_output_identical(case, batch):
-    """Random drafter logits (nothing accepted) and the model's own drafter (shipped for base,
-    untrained for tiny.en), both through trees with the CPU default threshold and without one."""
+    """Random drafter logits (nothing accepted) and the model's own shipped drafter, both through
+    trees with the CPU default threshold and without one."""
     rows = case.subset(2 * batch, offset=5)
     vocab = case.engine.target.vocab_size
     garbage = LogitsProposer(RandomProposer(vocab, K, seed=batch), vocab, p_first=0.3, seed=batch)
