@@ -310,3 +310,41 @@ def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths
     # the teacher's history is fp16 and one pass; the engine's comes step by step: a near-tie may flip
     assert same >= len(utts) - 1, same
     assert trainer.validate()["rollout_tau"] == pytest.approx(sum(u.tokens.numel() - u.prompt_len for u in utts) / calls)
+
+
+def test_target_wer_normalises_and_skips_clips_without_reference():
+    from sglang_omni_flash.training.evaluate import target_wer
+
+    assert target_wer(["Hello, World!"], ["hello world"]) == 0.0  # case and punctuation are normalised away
+    assert target_wer(["the red shirt came", ""], ["the red short came", "anything"]) == pytest.approx(0.25)
+    assert target_wer(["", "  "], ["a", "b"]) is None
+
+
+def test_eval_drafter_tallies_real_decoding_by_voice(tiny_en_model_dir, test_set_paths):
+    """evaluate_drafter on tiny.en + its shipped drafter, held-out voices: the per-voice groups add up
+    to the whole, every figure is the decoding's own, and the transcripts are plain greedy's."""
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.training.evaluate import evaluate_drafter, format_table, target_wer
+
+    clips = from_manifest(test_set_paths.synth)[::4] + from_manifest(test_set_paths.librivox)[1:3]
+    engine = WhisperFlashEngine(EngineOptions(model=str(tiny_en_model_dir), speculative=True, batch_size=2,
+                                              min_draft_prob=0.0, tree_nodes=0))
+    result = evaluate_drafter(engine, clips)
+    plain = engine.decode(engine.log_mel([c.load() for c in clips]), speculative=False)
+    assert [c["text"] for c in result["per_clip"]] == [r.text for r in plain]
+    assert [c["tokens"] for c in result["per_clip"]] == [len(r.tokens) for r in plain]
+
+    voices = result["by_voice"]
+    assert set(voices) == {c.speaker for c in clips} and len(voices) >= 3
+    for key in ("clips", "tokens", "target_calls"):
+        assert sum(v[key] for v in voices.values()) == result[key]
+    assert result["tau"] == pytest.approx(result["tokens"] / result["target_calls"])
+    assert result["tau"] > 1.5  # the trained drafter, not an untrained one
+    by_pos = result["by_position"]
+    assert by_pos == sorted(by_pos, reverse=True) and by_pos[0] == pytest.approx(result["first"], abs=1e-4)
+    for voice, figures in voices.items():
+        mine = [(c.text, r.text) for c, r in zip(clips, plain) if c.speaker == voice]
+        assert figures["target_wer"] == pytest.approx(target_wer(*zip(*mine)))
+    table = format_table("test", result)
+    assert all(f"| {voice} |" in table for voice in voices) and "target WER" in table

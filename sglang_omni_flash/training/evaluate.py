@@ -7,7 +7,11 @@ figures come from the rounds that actually ran, not from teacher forcing:
 * tau     emitted tokens / target calls (prefill included), the paper's tokens per target call
 * first   rounds whose first candidate was accepted / rounds
 * by position j = 1..K: rounds that accepted at least j candidates / rounds
-* the same per clip-duration bucket
+* the same per clip-duration bucket, and per voice / speaker (the manifest's `voice`), where each
+  group also gets the target's own WER against the reference text (Whisper's English normaliser
+  without its spelling table, jiwer). The drafter learns to predict the target's transcript, so it
+  is hardest to predict where the target itself mis-hears: on the held-out synthetic set tau falls
+  with the target's WER voice by voice (docs/training.md, "Where tau is lost").
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ class Tally:
         }
 
 
+def target_wer(references: list[str], hypotheses: list[str]) -> float | None:
+    """Corpus WER of the target's transcripts; None when no clip has a reference text."""
+    import jiwer
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    normalize = EnglishTextNormalizer({})
+    pairs = [(normalize(r), normalize(h)) for r, h in zip(references, hypotheses) if r.strip()]
+    pairs = [(r, h) for r, h in pairs if r.strip()]
+    if not pairs:
+        return None
+    return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
+
+
 def evaluate_drafter(engine, clips, progress=None) -> dict:
     """clips: objects with .id, .duration, .load() (training.sources.Clip). Returns a JSON-able dict."""
     import numpy as np
@@ -54,6 +71,8 @@ def evaluate_drafter(engine, clips, progress=None) -> dict:
     K = engine.proposer.block_size if engine.proposer is not None else engine.options.block_size
     total = Tally()
     buckets = {b: Tally() for b in DURATION_BUCKETS}
+    voices: dict[str, Tally] = {}
+    texts: dict[str, tuple[list[str], list[str]]] = {}  # voice -> (references, target transcripts)
     at_least = np.zeros(K, dtype=np.int64)
     per_clip = []
     bs = engine.options.batch_size
@@ -67,9 +86,14 @@ def evaluate_drafter(engine, clips, progress=None) -> dict:
             for lo, hi in DURATION_BUCKETS:
                 if lo <= duration < hi:
                     buckets[(lo, hi)].add(res)
+            voice = getattr(clip, "speaker", "") or "unknown"
+            voices.setdefault(voice, Tally()).add(res)
+            refs, hyps = texts.setdefault(voice, ([], []))
+            refs.append(getattr(clip, "text", "") or "")
+            hyps.append(res.text)
             for a in res.accepted_lengths:
                 at_least[:a] += 1
-            per_clip.append({"id": clip.id, "duration": round(duration, 2), "tokens": len(res.tokens),
+            per_clip.append({"id": clip.id, "voice": voice, "duration": round(duration, 2), "tokens": len(res.tokens),
                              "target_calls": res.target_calls, "text": res.text})
         if progress is not None:
             progress(len(part))
@@ -78,6 +102,9 @@ def evaluate_drafter(engine, clips, progress=None) -> dict:
     out["by_duration"] = {
         f"{lo:g}-{hi:g}s" if hi != float("inf") else f">{lo:g}s": t.summary() for (lo, hi), t in buckets.items() if t.clips
     }
+    out["target_wer"] = target_wer([r for refs, _ in texts.values() for r in refs],
+                                   [h for _, hyps in texts.values() for h in hyps])
+    out["by_voice"] = {v: {**voices[v].summary(), "target_wer": target_wer(*texts[v])} for v in sorted(voices)}
     out["per_clip"] = per_clip
     return out
 
@@ -95,6 +122,17 @@ def format_table(name: str, result: dict) -> str:
             f"| {name} {bucket} | {t['clips']} | {t['tokens']} | {t['target_calls']} | {t['alpha']:.3f} | "
             f"{t['tau']:.2f} | {t['first']:.3f} |"
         )
+    if len(result.get("by_voice", {})) > 1:
+        lines += ["", "| voice | clips | tokens | target calls | alpha | tau | first | target WER |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for voice, t in result["by_voice"].items():
+            wer = "-" if t["target_wer"] is None else f"{100 * t['target_wer']:.1f}%"
+            lines.append(
+                f"| {voice} | {t['clips']} | {t['tokens']} | {t['target_calls']} | {t['alpha']:.3f} | "
+                f"{t['tau']:.2f} | {t['first']:.3f} | {wer} |"
+            )
     pos = " | ".join(f"{p:.2f}" for p in result["by_position"])
     lines += ["", "accepted >= j, j = 1..K: " + pos]
+    if result.get("target_wer") is not None:
+        lines.append(f"target WER against the reference texts: {100 * result['target_wer']:.1f}%")
     return "\n".join(lines)
