@@ -57,8 +57,8 @@ def target_wer(references: list[str], hypotheses: list[str]) -> float | None:
     from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
 
     normalize = EnglishTextNormalizer({})
-    pairs = [(normalize(r), normalize(h)) for r, h in zip(references, hypotheses) if r.strip()]
-    pairs = [(r, h) for r, h in pairs if r.strip()]
+    pairs = [(normalize(r), normalize(h)) for r, h in zip(references, hypotheses)]
+    pairs = [(r, h) for r, h in pairs if r.strip()]  # clips without a reference text do not count
     if not pairs:
         return None
     return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
