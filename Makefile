@@ -1,7 +1,9 @@
 # sglang-omni-flash: the two commands are `make serve` and `make test`; both do all set-up.
 #
-#   make serve [PORT=8000] [MODEL=base|tiny.en|DIR] [SPECULATIVE=auto|1|0] [ARGS="extra sgl-omni serve flags"]
+#   make serve [PORT=8000] [MODEL=base|tiny.en|DIR] [SPECULATIVE=auto|1|0] [DTYPE=auto|float32|bfloat16|float16]
+#              [ARGS="extra sgl-omni serve flags"]
 #              SPECULATIVE: auto (default) = Whisper-Flash when a shipped drafter fits MODEL, 1 = required, 0 = plain
+#              DTYPE: auto (default) = bfloat16 on a CPU with AMX-BF16, else float32 (sglang-omni's default on CUDA)
 #   make test  [PYTEST_ARGS=...]
 #
 # Set-up (idempotent, fast when nothing changed): Debian packages from configs/apt.txt,
@@ -19,6 +21,7 @@ PORT   ?= 8000
 MODEL  ?= base
 ARGS   ?=
 SPECULATIVE ?= auto
+DTYPE  ?= auto
 PYTEST_ARGS ?=
 
 # GPU machines get sglang's GPU kernels (flashinfer, ...); CPU machines the trimmed set.
@@ -63,7 +66,7 @@ test-audio: setup
 
 serve: setup
 	@case "$(MODEL)" in base|tiny.en) $(BIN)/whisper-flash models fetch $(MODEL) >/dev/null ;; esac
-	$(BIN)/whisper-flash serve --model $(MODEL) --port $(PORT) \
+	$(BIN)/whisper-flash serve --model $(MODEL) --port $(PORT) --dtype $(DTYPE) \
 	  --speculative $(if $(filter 0 off no,$(SPECULATIVE)),off,$(if $(filter 1 on yes,$(SPECULATIVE)),on,auto)) -- $(ARGS)
 
 test: setup models test-audio

@@ -188,7 +188,7 @@ def test_serve_with_a_wrong_drafter_stops_at_startup_with_a_clear_message(base_m
     wrong = WhisperForConditionalGeneration.from_pretrained(tiny_en_model_dir, torch_dtype=torch.float32)
     drafter_dir = save_drafter(WhisperFlashDrafter.from_target(wrong), tmp_path / "tiny-en-drafter")
     log = tmp_path / "sgl-omni.log"
-    options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log, startup_timeout_s=300,
+    options = ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log, startup_timeout_s=300,
                            extra_args=("--asr.speculative", "whisper-flash",
                                        "--asr.speculative_draft_model_path", str(drafter_dir)))
     srv = Server(options)

@@ -55,7 +55,7 @@ def server(tiny_en_model_dir, tmp_path_factory):
     from sglang_omni_flash.serving.launch import ServeOptions
 
     work = tmp_path_factory.mktemp("server-en")
-    options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log")
+    options = ServeOptions(dtype="float32", model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log")
     srv = started_server(options)
     yield srv
     srv.stop()
@@ -92,7 +92,7 @@ def spec_server(tiny_en_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("server-en-spec")
     target = WhisperForConditionalGeneration.from_pretrained(tiny_en_model_dir, torch_dtype=torch.float32)
     drafter_dir = save_drafter(WhisperFlashDrafter.from_target(target), work / "drafter")
-    options = ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log",
+    options = ServeOptions(dtype="float32", model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log",
                            extra_args=("--asr.speculative", "whisper-flash",
                                        "--asr.speculative_draft_model_path", str(drafter_dir),
                                        "--asr.speculative_min_draft_prob", "0"))

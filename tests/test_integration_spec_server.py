@@ -100,7 +100,7 @@ def all_formats(server, clips) -> dict[str, dict[str, object]]:
 @pytest.fixture(scope="module")
 def plain_results(base_model_dir, clips, tmp_path_factory):
     log = tmp_path_factory.mktemp("plain") / "sgl-omni.log"
-    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log))
+    srv = started_server(ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log))
     try:
         return all_formats(srv, clips)
     finally:
@@ -111,7 +111,7 @@ def plain_results(base_model_dir, clips, tmp_path_factory):
 def spec_server(base_model_dir, plain_results, tmp_path_factory):
     """Starts after the plain server is gone (plain_results), so the two never share the cores."""
     log = tmp_path_factory.mktemp("spec") / "sgl-omni.log"
-    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
+    srv = started_server(ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log,
                              extra_args=("--asr.speculative", "whisper-flash")))
     yield srv
     srv.stop()
@@ -298,7 +298,7 @@ def chain_server(base_model_dir, spec_results, tmp_path_factory):
     """The worker with draft trees off (`--asr.speculative_tree_nodes 0`: the paper's chain of
     candidates, cut where the drafter doubts); starts after the speculative clips are done."""
     log = tmp_path_factory.mktemp("chain") / "sgl-omni.log"
-    srv = started_server(ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log,
+    srv = started_server(ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log,
                          extra_args=("--asr.speculative", "whisper-flash", "--asr.speculative_tree_nodes", "0")))
     yield srv
     srv.stop()

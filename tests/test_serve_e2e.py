@@ -38,7 +38,7 @@ def reference_texts(base_model_dir, clips):
 @pytest.fixture(scope="module")
 def server(base_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "sgl-omni.log"
-    options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=log)
+    options = ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log)
     srv = started_server(options)
     yield srv
     srv.stop()
@@ -134,7 +134,7 @@ def test_bad_audio_is_a_clear_4xx_and_the_server_keeps_serving(server, clips, re
 
 def test_stop_by_pid_leaves_no_process(base_model_dir, tmp_path):
     """A second server on another port starts, serves /health, and is gone after stop()."""
-    options = ServeOptions(model=str(base_model_dir), port=free_port(), log_file=tmp_path / "log")
+    options = ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=tmp_path / "log")
     with Server(options) as srv:
         pid = srv.process.pid
         assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200

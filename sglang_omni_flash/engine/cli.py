@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sglang_omni_flash.engine.options import CPU_TREE_MIN_PROB, CPU_TREE_NODES, MAX_TREE_NODES, EngineOptions
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.hardware import DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +61,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="base", help="base, tiny.en or a transformers Whisper directory (default base)")
     p.add_argument("--drafter", default=None, metavar="DIR", help="drafter checkpoint (default: shipped, else untrained)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run eagerly")
     p.add_argument("--min-draft-prob", type=float, default=None, metavar="P",
@@ -75,6 +77,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
                         "Default: on for CPU")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="weights and activations: auto (default) = float16 on CUDA; on a CPU bfloat16 where it "
+                        "has AMX-BF16, else float32")
+
+
+def engine_line(engine) -> str:
+    """What every engine command says first: device, dtype and why, the CPU's features."""
+    from sglang_omni_flash.hardware import cpu_summary
+
+    where = f"{engine.device.type} {engine.dtype_choice.describe()}"
+    if engine.device.type == "cpu":
+        where += f", {cpu_summary()}"
+    return where
 
 
 def _options(args, **extra) -> EngineOptions:
@@ -96,6 +114,7 @@ def _options(args, **extra) -> EngineOptions:
         model=args.model,
         drafter=args.drafter,
         device=args.device,
+        dtype=args.dtype,
         threads=args.threads,
         cuda_graphs=not args.no_cuda_graphs,
         temperature=args.temperature,
@@ -132,9 +151,6 @@ def _transcribe(args) -> int:
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     waves = [load_audio(path) for path in args.audio]  # bad files fail before the model loads
-    for path, wave in zip(args.audio, waves):
-        if len(wave) > 30 * 16000:
-            print(f"whisper-flash: note: {path} is longer than 30 s; only its first 30 s are transcribed", file=sys.stderr)
     _quiet_transformers()
     options = _options(
         args,
@@ -147,7 +163,11 @@ def _transcribe(args) -> int:
     )
     engine = WhisperFlashEngine(options)
     mode = "greedy" if args.greedy else "whisper-flash"
-    print(f"whisper-flash: model {engine.model_dir}; mode {mode}; drafter: {engine.drafter_source}", file=sys.stderr)
+    print(f"whisper-flash: {engine_line(engine)}; model {engine.model_dir}; mode {mode}; "
+          f"drafter: {engine.drafter_source}", file=sys.stderr)
+    for path, wave in zip(args.audio, waves):
+        if len(wave) > 30 * 16000:
+            print(f"whisper-flash: note: {path} is longer than 30 s; only its first 30 s are transcribed", file=sys.stderr)
     bar = _progress(len(waves), args.quiet, "transcribe")
     results = engine.decode(engine.log_mel(waves), progress=bar.update if bar else None)
     if bar:
@@ -159,6 +179,7 @@ def _transcribe(args) -> int:
             "mode": mode,
             "drafter": engine.drafter_source,
             "device": str(engine.device),
+            "dtype": engine.dtype_choice.name,
             "results": [
                 {
                     "audio": str(path),
@@ -198,6 +219,7 @@ def _bench(args) -> int:
 
     from sglang_omni_flash.engine.audio import load_audio
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.hardware import cpu_summary
 
     sizes = _batch_sizes(args.batch_sizes)
     if args.repeats < 1:
@@ -218,7 +240,7 @@ def _bench(args) -> int:
     out_path = Path(args.json)
 
     engine = WhisperFlashEngine(_options(args, speculative=True, batch_size=sizes[0]))
-    print(f"whisper-flash bench: model {engine.model_dir}; drafter: {engine.drafter_source}; "
+    print(f"whisper-flash bench: {engine_line(engine)}; model {engine.model_dir}; drafter: {engine.drafter_source}; "
           f"min draft prob {engine.min_draft_prob:g}; draft tree {engine.tree_nodes} nodes >= {engine.tree_min_prob:g}; "
           f"int8 drafter {bool(engine.drafter is not None and engine.drafter.int8_inference)}", file=sys.stderr)
     features = engine.log_mel(waves)  # not timed: the timed path starts at the log-mel
@@ -230,6 +252,8 @@ def _bench(args) -> int:
         "tree_min_prob": engine.tree_min_prob,
         "drafter_int8": bool(engine.drafter is not None and engine.drafter.int8_inference),
         "device": str(engine.device),
+        "dtype": engine.dtype_choice.describe(),
+        "cpu": cpu_summary(),
         "torch_threads": torch.get_num_threads(),
         "temperature": args.temperature,
         "clips": len(clips),
@@ -308,7 +332,8 @@ def _bench_batch(engine, features, audio_s: float, repeats: int, quiet: bool) ->
 
 def format_table(report: dict) -> str:
     head = (
-        f"model {report['model']} | drafter {report['drafter']} | {report['device']}, "
+        f"model {report['model']} | drafter {report['drafter']} | {report['device']} "
+        f"{report.get('dtype', '')}, {report.get('cpu', '')}, "
         f"{report['torch_threads']} threads | {report['clips']} clips, {report['audio_s']:.1f} s audio\n"
     )
     cols = ("batch", "greedy tok/s", "greedy audio s/s", "flash tok/s", "flash audio s/s", "speedup",

@@ -6,9 +6,9 @@ drafter's acoustic K/V once, detects the language where needed, and runs `Specul
 baseline mode, one token per step) over a static preallocated cache. Finished requests are compacted
 out of every buffer, so the remaining ones never wait or pay for them.
 
-CPU: float32, SDPA, attention limited to the live part of the cache. CUDA: float16 and CUDA graphs
-for prefill, each verify length and the drafter, captured once per (batch bucket, length) over
-preallocated buffers.
+CPU: bfloat16 with AMX-BF16, else float32 (`hardware.choose_dtype`); SDPA, attention limited to
+the live part of the cache. CUDA: float16 and CUDA graphs for prefill, each verify length and the
+drafter, captured once per (batch bucket, length) over preallocated buffers.
 """
 
 from __future__ import annotations
@@ -30,27 +30,26 @@ from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.hardware import DtypeChoice, choose_dtype
 
 # cache slots past the decoder window: padded rows of a verify block, and draft-tree nodes (slot
 # t + row, see flash.tree) near the end of the window, write there
 SLACK = 40
 
 
-def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
+def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype, DtypeChoice]:
+    """(device, dtype, why that dtype) for `options`; dtype "auto" follows `hardware.choose_dtype`."""
     if options.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(options.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UserError("device cuda requested, but no CUDA device is available")
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if options.dtype == "auto":
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-    elif options.dtype in names:
-        dtype = names[options.dtype]
-    else:
-        raise UserError(f"unknown dtype {options.dtype!r} (auto, float32, float16, bfloat16)")
-    return device, dtype
+    try:
+        choice = choose_dtype(options.dtype, device.type)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return device, getattr(torch, choice.name), choice
 
 
 def capture_cuda_graph(fn, pool):
@@ -320,7 +319,7 @@ class WhisperFlashEngine:
         if options.tree_min_prob is not None and not 0.0 <= options.tree_min_prob <= 1.0:
             raise UserError(f"tree_min_prob must be between 0 and 1, got {options.tree_min_prob}")
         self.options = options
-        self.device, self.dtype = resolve_device(options)
+        self.device, self.dtype, self.dtype_choice = resolve_device(options)
         tree_nodes, tree_min_prob = default_tree(self.device.type)
         self.tree_nodes = tree_nodes if options.tree_nodes is None else options.tree_nodes
         self.tree_min_prob = tree_min_prob if options.tree_min_prob is None else options.tree_min_prob

@@ -12,12 +12,24 @@ from __future__ import annotations
 import torch
 
 
-class KVCache:
-    """Self-attention K/V: k, v [layers, B, H, L, hd]; L = decoder window + slack for padded rows."""
+def _keys(shape, dtype, device, transposed: bool):
+    """(storage, [.., L, hd] view): with `transposed` the storage is [.., hd, L] (what the row-invariant
+    CPU attention reads, contiguous over keys) and the view its transpose; else both are one tensor."""
+    if not transposed:
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        return k, k
+    kt = torch.zeros((*shape[:-2], shape[-1], shape[-2]), dtype=dtype, device=device)
+    return kt, kt.transpose(-1, -2)
 
-    def __init__(self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+
+class KVCache:
+    """Self-attention K/V: k, v [layers, B, H, L, hd]; L = decoder window + slack for padded rows.
+    With `keys_transposed` (CPU) the keys are stored as kt [layers, B, H, hd, L] and `k` is a view."""
+
+    def __init__(self, layers: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device,
+                 keys_transposed: bool = False):
         shape = (layers, batch, heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.kt, self.k = _keys(shape, dtype, device, keys_transposed)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self._heads = torch.arange(heads, device=device)[None, :, None]  # [1, H, 1]
@@ -51,11 +63,13 @@ class KVCache:
 
 
 class CrossKV:
-    """Cross-attention K/V of the encoder output: k, v [layers, B, H, T_enc, hd], filled once per batch."""
+    """Cross-attention K/V of the encoder output: k, v [layers, B, H, T_enc, hd], filled once per batch
+    (keys stored transposed as kt with `keys_transposed`, as in `KVCache`)."""
 
-    def __init__(self, layers: int, batch: int, heads: int, enc_len: int, head_dim: int, dtype, device):
+    def __init__(self, layers: int, batch: int, heads: int, enc_len: int, head_dim: int, dtype, device,
+                 keys_transposed: bool = False):
         shape = (layers, batch, heads, enc_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.kt, self.k = _keys(shape, dtype, device, keys_transposed)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def compact(self, keep: torch.Tensor) -> None:

@@ -61,7 +61,8 @@ class EngineOptions:
     max_new_tokens: int | None = None
     # "auto" (cuda if available, else cpu), "cpu" or "cuda"
     device: str = "auto"
-    # "auto" (cpu: float32, cuda: float16), "float32", "float16" or "bfloat16"
+    # "auto" (cuda: float16; cpu: bfloat16 where the CPU has AMX-BF16, else float32; see
+    # hardware.choose_dtype), "float32", "float16" or "bfloat16"
     dtype: str = "auto"
     # CUDA only: replay prefill / draft / verify through captured CUDA graphs
     cuda_graphs: bool = True

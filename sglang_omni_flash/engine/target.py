@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
 from sglang_omni_flash.flash.cpu_linear import FrozenLinear
+from sglang_omni_flash.kernels.attention import available as row_kernel, row_attention
 
 
 class _Layer:
@@ -60,12 +61,17 @@ class WhisperTarget:
         self.embed = dec.embed_tokens.weight
         self.pos_embed = dec.embed_positions.weight
         self.final_ln = (dec.layer_norm.weight, dec.layer_norm.bias, dec.layer_norm.eps)
-        self.head = FrozenLinear(model.proj_out.weight, single_row=True)
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        # CPU: attention through the row-invariant kernel (kernels/attention.py), and the head through
+        # the same packed kernel at every row count (its single-row gemv sums in another order), so
+        # a verify row gives exactly the bits of a one-row step: speculative output == greedy output
+        # by construction. Elsewhere SDPA and the single-row head (exact unless a float tie).
+        self.row_invariant = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and row_kernel()
+        self.head = FrozenLinear(model.proj_out.weight, single_row=not self.row_invariant)
         self.layers = [_Layer(layer) for layer in dec.layers]
         self.history_layers = tuple(history_layers)
         self._history_slot = {layer: i for i, layer in enumerate(self.history_layers)}
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
 
     # --- once per batch -------------------------------------------------------------------
     def encode(self, features: torch.Tensor) -> torch.Tensor:
@@ -116,7 +122,11 @@ class WhisperTarget:
         mask = attn_mask
         if slots is None:
             slots = positions
-        if mask is None and masked:
+        if self.row_invariant:  # keys j < limit visible (causal by position), or the tree's own mask
+            limit = positions + 1 if attn_mask is None else torch.full_like(positions, w)
+            tree = None if attn_mask is None else attn_mask[:, 0]
+            cross_limit = torch.full_like(positions, cross.v.shape[3])
+        elif mask is None and masked:
             key_pos = torch.arange(w, device=tokens.device)
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # [n, 1, T, w]
         if history_out is None and self.history_layers:
@@ -127,12 +137,18 @@ class WhisperTarget:
             qkv = lw.qkv(x).view(n, t, 3, self.heads, self.head_dim)
             q = (qkv[:, :, 0] * self.scaling).transpose(1, 2)
             k_all, v_all = cache.update(i, slots, qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
-            a = F.scaled_dot_product_attention(q, k_all[:, :, :w], v_all[:, :, :w], attn_mask=mask, scale=1.0)
+            if self.row_invariant:
+                a = row_attention(q, cache.kt[i, :n, :, :, :w], v_all[:, :, :w], limit, tree)
+            else:
+                a = F.scaled_dot_product_attention(q, k_all[:, :, :w], v_all[:, :, :w], attn_mask=mask, scale=1.0)
             h = h + lw.o(a.transpose(1, 2).reshape(n, t, self.d_model))
             # cross-attention to the encoder output
             x = _ln(h, lw.ln2)
             q = (lw.cq(x) * self.scaling).view(n, t, self.heads, self.head_dim).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, cross.k[i, :n], cross.v[i, :n], scale=1.0)
+            if self.row_invariant:
+                a = row_attention(q, cross.kt[i, :n], cross.v[i, :n], cross_limit)
+            else:
+                a = F.scaled_dot_product_attention(q, cross.k[i, :n], cross.v[i, :n], scale=1.0)
             h = h + lw.co(a.transpose(1, 2).reshape(n, t, self.d_model))
             # feed-forward
             x = _ln(h, lw.ln3)
@@ -147,7 +163,9 @@ class WhisperTarget:
         return logits, history
 
     def new_cache(self, batch: int, slack: int) -> KVCache:
-        return KVCache(self.num_layers, batch, self.heads, self.max_positions + slack, self.head_dim, self.dtype, self.device)
+        return KVCache(self.num_layers, batch, self.heads, self.max_positions + slack, self.head_dim, self.dtype,
+                       self.device, keys_transposed=self.row_invariant)
 
     def new_cross(self, batch: int, enc_len: int) -> CrossKV:
-        return CrossKV(self.num_layers, batch, self.heads, enc_len, self.head_dim, self.dtype, self.device)
+        return CrossKV(self.num_layers, batch, self.heads, enc_len, self.head_dim, self.dtype, self.device,
+                       keys_transposed=self.row_invariant)

@@ -1,8 +1,9 @@
 """Drafter checkpoints: a directory with `config.json` and `model.safetensors`.
 
 `config.json` is `DrafterConfig.to_dict()` plus `format_version` and `dtype`. Its target identity
-fields -- `d_model`, `vocab_size`, `n_target_layers` and `embedding_fingerprint` -- must match the
-target the drafter is loaded against. `model.safetensors` holds the drafter's own weights only; the
+fields -- `d_model`, `vocab_size`, `n_target_layers` and the token embedding's `embedding_probe`
+(`embedding_fingerprint` for checkpoints saved before it) -- must match the target the drafter is
+loaded against, whatever dtype that target runs in. `model.safetensors` holds the drafter's own weights only; the
 token embedding and output head belong to the target and are re-attached by `bind_target`.
 """
 
@@ -29,7 +30,8 @@ SHIPPED_DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def embedding_fingerprint(target: "WhisperForConditionalGeneration") -> str:
-    """sha256 of the target's token-embedding matrix as FP16 bytes, first 16 hex characters."""
+    """sha256 of the target's token-embedding matrix as FP16 bytes, first 16 hex characters (a name
+    for messages and logs; identity itself is decided by `embedding_probe`, which survives casts)."""
     return fingerprint_tensor(target.model.decoder.embed_tokens.weight)
 
 
@@ -38,29 +40,66 @@ def fingerprint_tensor(weight: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
 
 
+# The embedding probe: PROBE_SIZE values at fixed, evenly spread positions of the flattened matrix.
+# A hash of the bytes changes with the dtype the target is served in (bf16 keeps 8 mantissa bits, and
+# fp32 -> fp16 -> bf16 rounds twice), so the probe is compared with a tolerance that covers any
+# cast between fp32, fp16 and bf16 (relative 2^-9 each) and nothing more: two different Whisper
+# checkpoints differ by far more than 1% in 32 values.
+PROBE_SIZE = 32
+PROBE_RTOL = 2.0**-7
+PROBE_ATOL = 1e-6  # fp16 subnormals (|x| < 6.1e-5) keep only an absolute precision of 6e-8
+
+
+def embedding_probe(weight: torch.Tensor) -> tuple[float, ...]:
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    index = torch.tensor([(2 * i + 1) * n // (2 * PROBE_SIZE) for i in range(PROBE_SIZE)], device=flat.device)
+    return tuple(float(x) for x in flat.index_select(0, index).float().cpu())
+
+
+def probes_agree(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= PROBE_RTOL * max(abs(x), abs(y)) + PROBE_ATOL for x, y in zip(a, b))
+
+
 @dataclass(frozen=True)
 class TargetIdentity:
-    """What a drafter checkpoint must agree with in its target."""
+    """What a drafter checkpoint (or a teacher extraction) must agree with in its target."""
 
     d_model: int
     vocab_size: int
     n_layers: int  # decoder blocks
-    fingerprint: str  # "" = unknown (not checked)
+    fingerprint: str  # "" = unknown
+    probe: tuple[float, ...] = ()  # embedding_probe; () = unknown (then the fingerprint decides)
 
     @classmethod
     def of_target(cls, target: "WhisperForConditionalGeneration") -> "TargetIdentity":
         c = target.config
-        return cls(c.d_model, c.vocab_size, c.decoder_layers, embedding_fingerprint(target))
+        weight = target.model.decoder.embed_tokens.weight
+        return cls(c.d_model, c.vocab_size, c.decoder_layers, embedding_fingerprint(target), embedding_probe(weight))
+
+    @classmethod
+    def of_record(cls, record) -> "TargetIdentity":
+        """From a drafter config.json or a teacher.json (same key names)."""
+        return cls(int(record["d_model"]), int(record["vocab_size"]), int(record["n_target_layers"]),
+                   record.get("embedding_fingerprint", ""), tuple(record.get("embedding_probe", ())))
 
     @classmethod
     def of_drafter(cls, config: DrafterConfig) -> "TargetIdentity":
-        return cls(config.d_model, config.vocab_size, config.n_target_layers, config.embedding_fingerprint)
+        return cls.of_record(config.to_dict())
 
     def differences(self, other: "TargetIdentity") -> list[str]:
         out = [name for name in ("d_model", "vocab_size", "n_layers") if getattr(self, name) != getattr(other, name)]
-        if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
+        if self.probe and other.probe:
+            same = probes_agree(self.probe, other.probe)
+        else:  # a record from before the probe: the float16 bytes (a bf16 target never matches them)
+            same = not (self.fingerprint and other.fingerprint) or self.fingerprint == other.fingerprint
+        if not same:
             out.append("embedding fingerprint")
         return out
+
+    @property
+    def known(self) -> bool:
+        return bool(self.probe or self.fingerprint)
 
     def describe(self) -> str:
         return (
@@ -167,6 +206,6 @@ def find_shipped_drafter(
         except UserError:
             continue
         have = have or TargetIdentity.of_target(target)
-        if not want.differences(have) and want.fingerprint:
+        if not want.differences(have) and want.known:
             return config_path.parent
     return None

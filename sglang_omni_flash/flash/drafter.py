@@ -98,7 +98,8 @@ class DrafterConfig:
     max_positions: int = 448  # target's max text positions (information; RoPE itself is unbounded)
     use_audio: bool = True  # ablation switches (paper Table 3): cross-attention to the encoder output
     use_history: bool = True  # ... and attention to the target's history
-    embedding_fingerprint: str = ""  # identity of the shared target embedding (checkpoint.embedding_fingerprint)
+    embedding_fingerprint: str = ""  # name of the shared target embedding (checkpoint.embedding_fingerprint)
+    embedding_probe: tuple[float, ...] = ()  # its identity across dtypes (checkpoint.embedding_probe)
     activation: str = "gelu"  # FFN activation (Whisper's)
     layer_norm_eps: float = 1e-5
     embed_scale: float = 1.0  # sqrt(d_model) if the target scales its embeddings, else 1 (Whisper: 1)
@@ -107,6 +108,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "history_layers", tuple(int(i) for i in self.history_layers))
+        object.__setattr__(self, "embedding_probe", tuple(float(x) for x in self.embedding_probe))
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
@@ -125,6 +127,7 @@ class DrafterConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["history_layers"] = list(self.history_layers)
+        d["embedding_probe"] = list(self.embedding_probe)
         return d
 
     @classmethod
@@ -285,7 +288,7 @@ class WhisperFlashDrafter(nn.Module):
         token embedding) and the history projection (+ its norm; identity on the first history block). Shared:
         embedding and output head.
         """
-        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
+        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint, embedding_probe
 
         tc = target.config
         if history_layers is None:
@@ -305,6 +308,7 @@ class WhisperFlashDrafter(nn.Module):
             use_audio=use_audio,
             use_history=use_history,
             embedding_fingerprint=embedding_fingerprint(target),
+            embedding_probe=embedding_probe(target.model.decoder.embed_tokens.weight),
             activation=tc.activation_function,
             embed_scale=math.sqrt(tc.d_model) if tc.scale_embedding else 1.0,
             target_name_or_path=str(getattr(tc, "_name_or_path", "") or ""),

@@ -8,6 +8,7 @@ import sys
 import time
 
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.hardware import DTYPES, cpu_summary
 from sglang_omni_flash.serving.launch import Server, ServeOptions
 
 
@@ -23,6 +24,9 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                        help="the ASR stage's weights and activations: auto (default) = on a CPU bfloat16 where it "
+                        "has AMX-BF16, else float32; on CUDA sglang-omni's default")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the ASR stage on CPU")
     parser.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                         help="Whisper-Flash speculative decoding: auto (default) = on when a shipped drafter "
@@ -40,12 +44,13 @@ def run(args: argparse.Namespace) -> int:
         extra = extra[1:]
     options = ServeOptions(model=args.model, host=args.host, port=args.port, device=args.device,
                            extra_args=tuple(extra), cpu_threads=args.cpu_threads,
-                           speculative=args.speculative, draft_model=args.draft_model)
+                           speculative=args.speculative, draft_model=args.draft_model, dtype=args.dtype)
     server = Server(options)
     plan = server.plan
-    print(f"[whisper-flash] model: {plan.model_dir}", file=sys.stderr)
-    print(f"[whisper-flash] {'CPU mode (configs/cpu.yaml, libcuda stub)' if plan.on_cpu else 'CUDA mode (sglang-omni defaults)'}",
-          file=sys.stderr)
+    mode = "CPU mode (configs/cpu.yaml, libcuda stub)" if plan.on_cpu else "CUDA mode (sglang-omni defaults)"
+    dtype = f", {plan.dtype}" if plan.dtype else ""
+    cpu_note = f", {cpu_summary()}" if plan.on_cpu else ""
+    print(f"[whisper-flash] {mode}{dtype}{cpu_note}; model: {plan.model_dir}", file=sys.stderr)
     print(f"[whisper-flash] {plan.note}", file=sys.stderr)
     print(f"[whisper-flash] $ {' '.join(plan.argv)}", file=sys.stderr)
 

@@ -13,15 +13,11 @@ Every workaround for sglang / sglang-omni on CPU lives here and in configs/cpu.y
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
 from importlib import resources
 from pathlib import Path
 
-from sglang_omni_flash.errors import UserError
-from sglang_omni_flash.paths import build_dir
+from sglang_omni_flash.kernels.build import build_library
 
 STUB_SONAME = "libcuda.so.1"
 
@@ -41,30 +37,9 @@ def _stub_source() -> bytes:
 
 def ensure_libcuda_stub(out_root: Path | None = None) -> Path:
     """Compile the libcuda stub once (keyed by its source hash) and return its directory."""
-    source = _stub_source()
-    digest = hashlib.sha256(source).hexdigest()[:12]
-    out_dir = (out_root or build_dir()) / f"libcuda-stub-{digest}"
-    library = out_dir / STUB_SONAME
-    if library.exists():
-        return out_dir
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise UserError(
-            "no C compiler found to build the CPU libcuda stub; install one (Debian: apt-get install gcc)"
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src = out_dir / "libcuda_stub.c"
-    src.write_bytes(source)
-    tmp = out_dir / f".{STUB_SONAME}.{os.getpid()}"
-    result = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O2", f"-Wl,-soname,{STUB_SONAME}", "-o", str(tmp), str(src)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise UserError(f"building the CPU libcuda stub failed:\n{result.stderr.strip()}")
-    tmp.replace(library)  # atomic: a concurrent build never sees half a library
-    return out_dir
+    library = build_library(_stub_source(), name="libcuda-stub", soname=STUB_SONAME,
+                            flags=["-O2", f"-Wl,-soname,{STUB_SONAME}"], out_root=out_root)
+    return library.parent
 
 
 def cpu_environment(base: dict[str, str] | None = None, *, threads: int | None = None) -> dict[str, str]:

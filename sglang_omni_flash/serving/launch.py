@@ -22,6 +22,7 @@ from typing import Literal
 import yaml
 
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.hardware import choose_dtype
 from sglang_omni_flash.paths import build_dir
 from sglang_omni_flash.serving import cpu
 
@@ -45,6 +46,10 @@ class ServeOptions:
     # a start-up error naming what to pass, "off" = plain sglang-omni decoding.
     speculative: Literal["auto", "on", "off"] = "off"
     draft_model: str | None = None  # drafter checkpoint directory (default: the shipped one that fits)
+    # weights and activations of the ASR stage on CPU (its target and the decode worker's drafter):
+    # "auto" = hardware.choose_dtype (bfloat16 on an AMX CPU, else float32), or a dtype name. On CUDA
+    # sglang-omni's own default stays unless a name is given.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -55,6 +60,7 @@ class LaunchPlan:
     model_dir: Path
     config_file: Path | None = field(default=None)
     speculative: bool = False
+    dtype: str = ""  # what the stage runs in, and why ("" = sglang-omni's own default)
     drafter: Path | None = None  # the drafter the stage will load (when speculative)
     note: str = ""  # why speculation is on / off (for the CLI to print)
 
@@ -82,15 +88,16 @@ def cpu_config_template() -> dict:
         return yaml.safe_load(fh)
 
 
-def render_cpu_config(model_dir: Path, *, cpu_threads: int | None = None) -> Path:
-    """configs/cpu.yaml with the model path filled in, written under the build cache."""
+def render_cpu_config(model_dir: Path, *, cpu_threads: int | None = None, dtype: str = "float32") -> Path:
+    """configs/cpu.yaml with the model path and the stage's dtype filled in, under the build cache."""
     config = cpu_config_template()
     config["model_path"] = str(model_dir)
+    config["stages"]["asr"]["engine"]["dtype"] = dtype
     if cpu_threads is not None:
         config["stages"]["asr"].setdefault("factory", {})["cpu_intra_op_threads"] = cpu_threads
     out_dir = build_dir() / "serve-configs"
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"cpu-{abs(hash((str(model_dir), cpu_threads))) % 10**10}.yaml"
+    name = f"cpu-{abs(hash((str(model_dir), cpu_threads, dtype))) % 10**10}.yaml"
     path = out_dir / name
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
@@ -115,17 +122,24 @@ def plan_launch(options: ServeOptions) -> LaunchPlan:
     on_cpu = options.device == "cpu" or (options.device == "auto" and not cpu.cuda_available())
     argv = [sgl_omni_executable(), "serve"]
     config_file = None
+    try:
+        choice = choose_dtype(options.dtype, "cpu" if on_cpu else "cuda")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    dtype_note = choice.describe() if on_cpu or options.dtype != "auto" else ""
     if on_cpu:
-        config_file = render_cpu_config(model_dir, cpu_threads=options.cpu_threads)
+        config_file = render_cpu_config(model_dir, cpu_threads=options.cpu_threads, dtype=choice.name)
         argv += ["--config", str(config_file)]
         env = cpu.cpu_environment(threads=options.cpu_threads)
     else:
         argv += ["--model-path", str(model_dir)]
+        if options.dtype != "auto":
+            argv += ["--asr.engine.dtype", choice.name]
         env = dict(os.environ)
     spec_argv, drafter, note = speculative_args(options, model_dir)
     argv += ["--host", options.host, "--port", str(options.port), *spec_argv, *options.extra_args]
     return LaunchPlan(argv=argv, env=env, on_cpu=on_cpu, model_dir=model_dir, config_file=config_file,
-                      speculative=bool(spec_argv), drafter=drafter, note=note)
+                      speculative=bool(spec_argv), dtype=dtype_note, drafter=drafter, note=note)
 
 
 def live_group_members(pgid: int) -> list[int]:

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--batch-size", type=int, default=8, help="clips decoded together (default 8)")
     ex.add_argument("--language", default=None, help="language code (default: detect, as the engine)")
     ex.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from sglang_omni_flash.engine.cli import add_dtype_arg
+
+    add_dtype_arg(ex)
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=_extract)
 
@@ -58,8 +61,11 @@ def _extract(args) -> int:
     clips = _clips(args)
     extractor = TeacherExtractor(
         ExtractOptions(model=args.model, shard_size=args.shard_size, batch_size=args.batch_size,
-                       language=args.language, threads=args.threads)
+                       language=args.language, threads=args.threads, dtype=args.dtype)
     )
+    from sglang_omni_flash.engine.cli import engine_line
+
+    print(f"extract: {engine_line(extractor.engine)}; model {extractor.engine.model_dir}", file=sys.stderr)
     index = extractor.extract(clips, args.out, progress=not args.quiet)
     print(json.dumps(index["totals"]), file=sys.stderr)
     print(args.out)

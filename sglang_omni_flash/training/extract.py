@@ -51,6 +51,7 @@ class ExtractOptions:
     lookup_block: int = 12  # candidates per round of the reference-lookup proposer
     language: str | None = None  # as the engine: None = detect per clip (multilingual models)
     threads: int | None = None
+    dtype: str = "auto"  # the engine's rule (hardware.choose_dtype): bfloat16 on an AMX CPU, else float32
 
 
 # ------------------------------------------------------------------------------ proposer
@@ -113,7 +114,7 @@ class TeacherExtractor:
         from sglang_omni_flash.engine.engine import SLACK, WhisperFlashEngine
         from sglang_omni_flash.engine.options import EngineOptions
         from sglang_omni_flash.engine.target import WhisperTarget
-        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
+        from sglang_omni_flash.flash.checkpoint import TargetIdentity
         from sglang_omni_flash.flash.drafter import default_history_layers
 
         self.options = options
@@ -121,7 +122,7 @@ class TeacherExtractor:
             EngineOptions(
                 model=options.model, speculative=False, batch_size=options.batch_size,
                 language=options.language, device="cpu" if not torch.cuda.is_available() else "auto",
-                threads=options.threads,
+                threads=options.threads, dtype=options.dtype,
             )
         )
         model = self.engine.model
@@ -129,14 +130,16 @@ class TeacherExtractor:
         self.history_layers = tuple(int(i) for i in layers)
         self.history_target = WhisperTarget(model, self.history_layers)
         self.slack = SLACK
-        self.fingerprint = embedding_fingerprint(model)
+        self.identity = TargetIdentity.of_target(model)
 
     def describe(self, clips: list[Clip]) -> dict:
         cfg = self.engine.model.config
         return {
             "format_version": FORMAT_VERSION,
             "model": str(self.engine.model_dir),
-            "embedding_fingerprint": self.fingerprint,
+            "dtype": self.engine.dtype_choice.name,
+            "embedding_fingerprint": self.identity.fingerprint,
+            "embedding_probe": list(self.identity.probe),
             "d_model": cfg.d_model,
             "vocab_size": cfg.vocab_size,
             "n_target_layers": cfg.decoder_layers,

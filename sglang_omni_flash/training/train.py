@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.flash.checkpoint import TargetIdentity
 from sglang_omni_flash.training import packing
 
 STATE = "state"
@@ -159,16 +160,14 @@ class Trainer:
         index, utts = None, []
         for folder in folders:
             idx, part = load_teacher(folder)
-            if index is not None and idx["embedding_fingerprint"] != index["embedding_fingerprint"]:
+            if index is not None and TargetIdentity.of_record(idx).differences(TargetIdentity.of_record(index)):
                 raise UserError(f"{folder} was extracted from another target than {folders[0]}")
             index = index or idx
             utts += part
         return index, utts
 
     def _check_teacher(self, index: dict) -> None:
-        from sglang_omni_flash.flash.checkpoint import embedding_fingerprint
-
-        if index["embedding_fingerprint"] != embedding_fingerprint(self.target):
+        if TargetIdentity.of_record(index).differences(TargetIdentity.of_target(self.target)):
             raise UserError(
                 f"the teacher data was extracted from another model ({index['model']}) than --model {self.options.model}"
             )

@@ -61,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_sources(ev)
     ev.add_argument("--batch-size", type=int, default=1)
     ev.add_argument("--threads", type=int, default=None)
+    from sglang_omni_flash.engine.cli import add_dtype_arg
+
+    add_dtype_arg(ev)
     ev.add_argument("--json", metavar="OUT", help="write the full result (per clip too) here")
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(func=_eval)
@@ -98,6 +101,7 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from tqdm import tqdm
 
+    from sglang_omni_flash.engine.cli import engine_line
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions
     from sglang_omni_flash.training.cli import _clips
@@ -106,12 +110,13 @@ def _eval(args) -> int:
     clips = _clips(args)
     engine = WhisperFlashEngine(  # whole chains: this measures the drafter, not the engine's cost cut or trees
         EngineOptions(model=args.model, drafter=args.drafter, speculative=True, batch_size=args.batch_size,
-                      threads=args.threads, min_draft_prob=0.0, tree_nodes=0)
+                      threads=args.threads, dtype=args.dtype, min_draft_prob=0.0, tree_nodes=0)
     )
-    print(f"drafter: {engine.drafter_source}", file=sys.stderr)
+    print(f"eval-drafter: {engine_line(engine)}; drafter: {engine.drafter_source}", file=sys.stderr)
     with tqdm(total=len(clips), desc="eval", unit="clip", file=sys.stderr, disable=args.quiet) as bar:
         result = evaluate_drafter(engine, clips, progress=bar.update)
     result["drafter"] = engine.drafter_source
+    result["dtype"] = engine.dtype_choice.name
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     name = ",".join(Path(m).parent.name for m in args.manifest) or "clips"
