@@ -42,7 +42,7 @@ class Case:
 
     def __init__(self, name: str, clips):
         self.name = name
-        self.engine = WhisperFlashEngine(EngineOptions(model=name, batch_size=8, speculative=True, dtype="float32"))
+        self.engine = WhisperFlashEngine(EngineOptions(model=name, batch_size=8, speculative=True, dtype="float32", pace=False))
         self.features = self.engine.features([c.audio for c in clips])
         self.encoded = self.engine.encode(self.features)
         self.greedy = [r.tokens for r in self.engine.decode(encoder_out=self.encoded, speculative=False)]

@@ -289,14 +289,15 @@ def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths
     from sglang_omni_flash.flash.checkpoint import SHIPPED_DRAFTERS_DIR, save_drafter
 
     clips = from_manifest(test_set_paths.synth)[:4] + from_manifest(test_set_paths.librivox)[:2]
-    extractor = TeacherExtractor(ExtractOptions(model=str(base_model_dir), shard_size=8, batch_size=3))
+    extractor = TeacherExtractor(ExtractOptions(model=str(base_model_dir), shard_size=8, batch_size=3, dtype="float32"))
     extractor.extract(clips, tmp_path / "teacher", progress=False)
     trainer = Trainer(TrainOptions(teacher=(str(tmp_path / "teacher"),), validation=(str(tmp_path / "teacher"),),
                                    out=str(tmp_path / "run"), model=str(base_model_dir),
                                    init=str(SHIPPED_DRAFTERS_DIR / "base")), progress=False)
     save_drafter(trainer.drafter, tmp_path / "drafter")  # the trainer's own draft vocabulary
     engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), drafter=str(tmp_path / "drafter"),
-                                              speculative=True, min_draft_prob=0.0, drafter_int8=False, tree_nodes=0))
+                                              speculative=True, min_draft_prob=0.0, drafter_int8=False, tree_nodes=0,
+                                              dtype="float32", pace=False))
     _, utts = load_teacher(tmp_path / "teacher")
     by_id = {c.id: c for c in clips}
     same = calls = 0
@@ -329,7 +330,7 @@ def test_eval_drafter_tallies_real_decoding_by_voice(tiny_en_model_dir, test_set
 
     clips = from_manifest(test_set_paths.synth)[::4] + from_manifest(test_set_paths.librivox)[1:3]
     engine = WhisperFlashEngine(EngineOptions(model=str(tiny_en_model_dir), speculative=True, batch_size=2,
-                                              min_draft_prob=0.0, tree_nodes=0))
+                                              min_draft_prob=0.0, tree_nodes=0, pace=False))
     result = evaluate_drafter(engine, clips)
     plain = engine.decode(engine.log_mel([c.load() for c in clips]), speculative=False)
     assert [c["text"] for c in result["per_clip"]] == [r.text for r in plain]

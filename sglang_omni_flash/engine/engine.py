@@ -24,8 +24,9 @@ import torch
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.logit_rules import LogitRules
 from sglang_omni_flash.engine.options import (
-    MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_tree,
+    MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_pace, default_tree,
 )
+from sglang_omni_flash.engine.pacing import Pacer
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
@@ -325,6 +326,8 @@ class WhisperFlashEngine:
         self.tree_min_prob = tree_min_prob if options.tree_min_prob is None else options.tree_min_prob
         self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
                                else default_min_draft_prob(self.device.type))
+        self.pace = default_pace(self.device.type) if options.pace is None else options.pace
+        self.pacer: Pacer | None = None  # the last decode call's (its measured costs, for reports)
         if options.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
 
@@ -425,6 +428,8 @@ class WhisperFlashEngine:
             proposer = None
         source = features if encoder_out is None else encoder_out
         self.timing = Timing()
+        # one pacer per call: costs are measured afresh for this batch size and audio
+        self.pacer = Pacer() if self.pace and proposer is not None else None
         generator = self._generator()  # one seeded stream per call
         results: list[DecodeResult] = []
         for start in range(0, source.shape[0], opts.batch_size):
@@ -465,6 +470,8 @@ class WhisperFlashEngine:
             min_draft_prob=self.min_draft_prob,
             tree_nodes=self.tree_nodes,
             tree_min_prob=self.tree_min_prob,
+            pacer=self.pacer,
+            clock=lambda: (sync(), time.perf_counter())[1],
         )
         results = decoder.run(prompts, [budget] * n, list(range(first_id, first_id + n)))
         sync()

@@ -35,6 +35,12 @@ def default_drafter_int8(device_type: str) -> bool:
     return device_type == "cpu"
 
 
+def default_pace(device_type: str) -> bool:
+    """pace when none is given: on a CPU, where a verify row costs and a round can lose to plain
+    steps (batch 8 in fp32: docs/engine.md); off on CUDA until measured there."""
+    return device_type == "cpu"
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     # target model: "base", "tiny.en" (embedded, converted on first use) or a transformers Whisper directory
@@ -81,6 +87,9 @@ class EngineOptions:
     tree_nodes: int | None = None
     # tree nodes whose path probability under the drafter is below this are left out (>= 1 node)
     tree_min_prob: float | None = None
+    # per step, a round only where its measured cost is paid by the running acceptance, else a
+    # plain step (engine.pacing; cost only, never output). None = by device: on for CPU
+    pace: bool | None = None
 
     def with_(self, **changes) -> "EngineOptions":
         """A copy with some fields changed (the options object itself never changes)."""

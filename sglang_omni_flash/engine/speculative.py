@@ -21,6 +21,9 @@ Greedy rounds under prefix-free rules may verify a draft tree instead of one cha
 `flash.tree`): several continuations in the same single pass, the accepted path's K/V moved to its
 positions afterwards; the output is the same greedy transcript.
 
+With a `Pacer` (engine/pacing.py) the loop takes a plain step instead of a round wherever the
+measured cost of rounds is not paid by the running acceptance: same tokens, lower cost.
+
 Two small protocols make the loop reusable: a `VerifyBackend` runs the target (the standalone
 transformers-weights engine here; an SGLang-Omni worker later), a `Proposer` makes candidates
 (the Whisper-Flash drafter, or oracle/random/adversarial proposers in tests). Without a proposer the
@@ -29,12 +32,14 @@ same loop is the plain baseline: one token per target call, same kernels.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
+from sglang_omni_flash.engine.pacing import Pacer
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -153,8 +158,15 @@ class SpeculativeDecoder:
         min_draft_prob: float = 0.0,
         tree_nodes: int = 0,
         tree_min_prob: float = 0.0,
+        pacer: Pacer | None = None,
+        clock=time.perf_counter,
     ):
         self.backend = backend
+        # per step: a round where it pays, else a plain step (`engine.pacing`); None: always rounds.
+        # `clock` must return seconds after the device finished (the engine syncs CUDA in it)
+        self.pacer = pacer
+        self.clock = clock
+        self._plain = False  # the last call was a plain step
         # greedy rounds without timestamp rules verify a draft tree of this many nodes instead of
         # one chain (`flash.tree`; 0 = the paper's chain); the backend must offer `move`
         self.tree_nodes = int(tree_nodes)
@@ -178,8 +190,26 @@ class SpeculativeDecoder:
         self.request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
         rows = self.prefill(prompts, budgets, results)
         while rows:
-            rows = self.round(rows, results)
+            if self.pacer is None or self.proposer is None:
+                rows = self.round(rows, results)
+            else:
+                rows = self._paced(rows, results)
         return results
+
+    def _paced(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
+        """A round or a plain step, as the pacer decides; its cost and yield go back to the pacer."""
+        n, live = len(rows), list(rows)
+        before = sum(len(r.generated) for r in live)
+        speculate = self.pacer.speculate(n)
+        self._plain = False
+        start = self.clock()
+        rows = self.round(live, results) if speculate else self.step(live, results)
+        seconds = self.clock() - start
+        if self._plain:  # a plain step (or a round with no candidate left in any budget)
+            self.pacer.record_step(n, seconds)
+        else:
+            self.pacer.record_round(n, seconds, (sum(len(r.generated) for r in live) - before) / n)
+        return rows
 
     def prefill(self, prompts, budgets, results) -> list[_Row]:
         """Process the prompts; the first generated token becomes the first anchor."""
@@ -337,6 +367,7 @@ class SpeculativeDecoder:
 
     def step(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
         """The baseline: one target call, one token per request."""
+        self._plain = True
         anchor = torch.tensor([[r.generated[-1]] for r in rows], dtype=torch.long, device=self.device)
         positions = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long, device=self.device)
         kv_len = max(r.cache_len for r in rows) + 1

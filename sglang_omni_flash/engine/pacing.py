@@ -1,0 +1,79 @@
+"""Speculate only where it pays: the per-step choice between a Whisper-Flash round and a plain step.
+
+A round over n live requests costs `round_s(n)` seconds and emits `gain` tokens per request (the
+accepted candidates plus the correction or bonus); a plain step costs `step_s(n)` and emits one.
+So a round pays iff gain * step_s(n) > round_s(n). Both costs are measured as decoding runs (an
+exponential average per n, since a round's price depends on the device, the dtype, the batch and
+the tree), and gain is the running acceptance. Where rounds do not pay, the decoder takes plain
+steps and looks again after 1, 2, 4 ... `max_backoff` of them (the acceptance of the next words may
+differ: that round is a probe, whose acceptance updates the running gain). Either way every token is the target's own greedy (or sampled) choice: the pacer changes
+the cost, never the output.
+
+Pure bookkeeping with no clock of its own: the decode loop measures and reports (tests feed it
+made-up timings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Pacer:
+    margin: float = 0.02  # a round must beat plain steps by this fraction (timing noise)
+    smoothing: float = 0.3  # weight of the newest measurement in the running averages
+    max_backoff: int = 16  # most plain steps before a round is tried again
+    step_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a plain step
+    round_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a round
+    gain: float | None = None  # tokens per request per round
+    skip: int = 0  # plain steps left before the next round is considered
+    backoff: int = 1
+    rounds: int = 0  # decisions taken (for reports)
+    steps: int = 0
+
+    def speculate(self, n: int) -> bool:
+        """Take a round now (True) or a plain step (False) with n live requests."""
+        decision = self._decide(n)
+        if decision:
+            self.rounds += 1
+        else:
+            self.steps += 1
+        return decision
+
+    def _decide(self, n: int) -> bool:
+        ratio = self.cost_ratio(n)
+        if ratio is None or self.gain is None:
+            return not self.round_s  # measure a round first (speculation is the default), then a step
+        if self.skip > 0:  # stepping aside; the last of these steps is followed by a probe round
+            self.skip -= 1
+            return self.skip == 0
+        if self.gain >= (1.0 + self.margin) * ratio:
+            self.backoff = 1
+            return True
+        self.skip = self.backoff
+        self.backoff = min(self.max_backoff, 2 * self.backoff)
+        return False
+
+    def cost_ratio(self, n: int) -> float | None:
+        """round_s / step_s at n requests, or at the nearest batch size where both were measured
+        (a batch shrinks as its requests finish; the ratio moves slowly with n)."""
+        measured = [m for m in self.round_s if m in self.step_s]
+        if not measured:
+            return None
+        m = min(measured, key=lambda m: (abs(m - n), -m))
+        return self.round_s[m] / self.step_s[m]
+
+    def pays(self, n: int) -> float | None:
+        """Expected speed of rounds over plain steps at n requests (None while unmeasured)."""
+        ratio = self.cost_ratio(n)
+        return None if ratio is None or self.gain is None else self.gain / ratio
+
+    def record_round(self, n: int, seconds: float, tokens_per_request: float) -> None:
+        self.round_s[n] = self._average(self.round_s.get(n), seconds)
+        self.gain = self._average(self.gain, tokens_per_request)
+
+    def record_step(self, n: int, seconds: float) -> None:
+        self.step_s[n] = self._average(self.step_s.get(n), seconds)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new

@@ -1,0 +1,90 @@
+"""The pacer: rounds only where their measured cost is paid by the acceptance; output never changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_omni_flash.engine.pacing import Pacer
+
+
+def test_first_a_round_then_a_step_then_by_cost():
+    pacer = Pacer()
+    assert pacer.speculate(4)  # nothing measured: speculate
+    pacer.record_round(4, 0.030, tokens_per_request=3.0)
+    assert not pacer.speculate(4)  # a plain step, to know what a round must beat
+    pacer.record_step(4, 0.015)
+    assert pacer.pays(4) == pytest.approx(1.5)
+    assert all(pacer.speculate(4) for _ in range(5))
+
+
+def test_rounds_that_do_not_pay_back_off_and_are_probed_again():
+    pacer = Pacer(max_backoff=4, smoothing=1.0)
+    pacer.record_round(2, 0.030, tokens_per_request=1.2)
+    pacer.record_step(2, 0.015)  # a round costs 2 steps and brings 1.2 tokens
+    gaps, plain = [], 0
+    for _ in range(30):
+        if pacer.speculate(2):
+            gaps.append(plain)
+            plain = 0
+            pacer.record_round(2, 0.030, tokens_per_request=1.2)  # the probe did not pay either
+        else:
+            plain += 1
+    assert gaps[:5] == [1, 2, 4, 4, 4]  # plain steps between probe rounds: doubling, capped
+    pacer.record_round(2, 0.030, tokens_per_request=9.0)  # a probe that accepted a lot
+    while pacer.skip:
+        pacer.speculate(2)
+    assert all(pacer.speculate(2) for _ in range(5))  # rounds pay again: back to speculating
+
+
+def test_an_unmeasured_batch_size_borrows_the_nearest_ratio():
+    pacer = Pacer()
+    pacer.record_round(8, 0.08, 2.0)
+    pacer.record_step(8, 0.02)  # at 8 requests a round costs 4 steps
+    assert pacer.cost_ratio(7) == pytest.approx(4.0)
+    assert not pacer.speculate(7)
+    pacer.record_round(1, 0.02, 2.0)
+    pacer.record_step(1, 0.015)
+    assert pacer.cost_ratio(2) == pytest.approx(0.02 / 0.015)
+
+
+# ------------------------------------------------------------------- in real decoding (tiny.en, fp32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_en_model_dir, test_clips):
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+
+    torch.set_num_threads(1)
+    engine = WhisperFlashEngine(EngineOptions(model="tiny.en", dtype="float32", batch_size=4, pace=True))
+    encoded = engine.encode(engine.features([c.audio for c in test_clips[:8]]))
+    greedy = [r.tokens for r in engine.decode(encoder_out=encoded, speculative=False)]
+    return engine, encoded, greedy
+
+
+def test_paced_decoding_steps_aside_for_a_drafter_that_proposes_garbage(tiny):
+    from sglang_omni_flash.engine.proposers import RandomProposer
+
+    engine, encoded, greedy = tiny
+    results = engine.decode(encoder_out=encoded, proposer=RandomProposer(engine.target.vocab_size, 8, seed=1))
+    assert [r.tokens for r in results] == greedy
+    assert engine.pacer.steps > 3 * engine.pacer.rounds  # rounds only as probes
+    assert sum(r.rounds for r in results) < 0.3 * sum(r.target_calls for r in results)
+
+
+def test_paced_decoding_keeps_speculating_where_everything_is_accepted(tiny):
+    from sglang_omni_flash.engine.proposers import OracleProposer
+
+    engine, encoded, greedy = tiny
+    results = engine.decode(encoder_out=encoded, proposer=OracleProposer(greedy, 8))
+    assert [r.tokens for r in results] == greedy
+    assert engine.pacer.rounds > 2 * engine.pacer.steps
+
+
+def test_paced_decoding_with_the_shipped_drafter_is_exact_at_every_batch_size(tiny):
+    engine, encoded, greedy = tiny
+    for batch in (1, 3, 4):
+        engine.resize(batch)
+        assert [r.tokens for r in engine.decode(encoder_out=encoded, speculative=True)] == greedy
+    engine.resize(4)
