@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 class Pacer:
     margin: float = 0.02  # a round must beat plain steps by this fraction (timing noise)
     smoothing: float = 0.3  # weight of the newest measurement in the running averages
-    max_backoff: int = 16  # most plain steps before a round is tried again
+    max_backoff: int = 64  # most plain steps before a round is tried again (a probe that does not pay costs)
     step_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a plain step
     round_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a round
     gain: float | None = None  # tokens per request per round

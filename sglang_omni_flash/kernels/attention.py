@@ -27,17 +27,23 @@ _state: dict[str, object] = {}
 
 
 def _flags() -> tuple[list[str], list[str]]:
-    from torch.utils import cpp_extension
+    import hashlib
+    from pathlib import Path
 
     from sglang_omni_flash.hardware import cpu_flags
 
-    lib = cpp_extension.library_paths()[0]
+    # torch's own headers and libraries (what torch.utils.cpp_extension would name; importing it
+    # prints a CUDA_HOME warning on machines without CUDA)
+    root = Path(torch.__file__).resolve().parent
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+    lib = root / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    machine = abs(hash(tuple(sorted(cpu_flags())))) % 10**8  # -march=native: one build per kind of CPU
+    # -march=native: one build per kind of CPU (hashlib, not hash(): str hashes are salted per process)
+    machine = int(hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8], 16)
     flags = [
         "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-DWHISPER_FLASH_CPU={machine}", f"-DWHISPER_FLASH_TORCH={torch.__version__.split('+')[0].replace('.', '_')}",
-        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        *[f"-I{p}" for p in includes],
     ]
     return flags, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
 
