@@ -47,6 +47,21 @@ def test_cpu_summary_names_the_features_that_decide():
     assert cpu_summary(cpu_flags(ARM_CPU)).startswith("CPU without ")
 
 
+def test_round_cost_defaults_follow_device_and_dtype():
+    from sglang_omni_flash.engine.options import default_drafter_int8, default_min_draft_prob, default_tree
+
+    # fp32 CPU: every verify row costs -> cut blocks, 8-node trees, int8 drafter
+    assert default_min_draft_prob("cpu", torch.float32) > 0
+    assert default_tree("cpu", "float32")[0] == 8 and default_drafter_int8("cpu", torch.float32)
+    # bf16 CPU (AMX): rows nearly free -> whole blocks, a larger tree, the drafter keeps bf16 weights
+    assert default_min_draft_prob("cpu", torch.bfloat16) == 0.0
+    assert default_tree("cpu", torch.bfloat16)[0] > default_tree("cpu", torch.float32)[0]
+    assert not default_drafter_int8("cpu", "bfloat16")
+    # CUDA: the paper's whole chain
+    assert default_tree("cuda", torch.float16) == (0, 0.0) and default_min_draft_prob("cuda", "float16") == 0.0
+    assert not default_drafter_int8("cuda", torch.float32)
+
+
 def test_engine_names_its_dtype_and_refuses_an_unknown_one(tiny_en_model_dir):
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions

@@ -11,7 +11,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from sglang_omni_flash.engine.options import CPU_TREE_MIN_PROB, CPU_TREE_NODES, MAX_TREE_NODES, EngineOptions
+from sglang_omni_flash.engine.options import (
+    AMX_TREE_MIN_PROB, AMX_TREE_NODES, CPU_MIN_DRAFT_PROB, CPU_TREE_MIN_PROB, CPU_TREE_NODES, MAX_TREE_NODES,
+    EngineOptions,
+)
 from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.hardware import DTYPES
 
@@ -66,17 +69,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run eagerly")
     p.add_argument("--min-draft-prob", type=float, default=None, metavar="P",
                    help="propose candidates only while the drafter's probability of its token is >= P "
-                        "(at least one per round; cost only, never output). Default: 0.2 on CPU, 0 on CUDA")
+                        f"(at least one per round; cost only, never output). Default: {CPU_MIN_DRAFT_PROB} on an fp32 CPU, "
+                        "0 in bf16 and on CUDA")
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                    help="greedy rounds without timestamps verify a draft tree of up to N nodes (the drafter's "
                         "likeliest continuations, sharing prefixes) instead of one chain; same output, more "
-                        f"tokens per target call. 0 = the paper's chain. Default: {CPU_TREE_NODES} on CPU, 0 on CUDA")
+                        f"tokens per target call. 0 = the paper's chain. Default: {CPU_TREE_NODES} on an fp32 CPU, "
+                        f"{AMX_TREE_NODES} on a bf16 CPU, 0 on CUDA")
     p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                    help="leave out tree nodes whose path probability under the drafter is below P "
-                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on CPU")
+                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on an fp32 CPU, {AMX_TREE_MIN_PROB} in bf16")
     p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
-                        "Default: on for CPU")
+                        "Default: on for an fp32 CPU")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:

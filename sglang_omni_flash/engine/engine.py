@@ -321,11 +321,11 @@ class WhisperFlashEngine:
             raise UserError(f"tree_min_prob must be between 0 and 1, got {options.tree_min_prob}")
         self.options = options
         self.device, self.dtype, self.dtype_choice = resolve_device(options)
-        tree_nodes, tree_min_prob = default_tree(self.device.type)
+        tree_nodes, tree_min_prob = default_tree(self.device.type, self.dtype)
         self.tree_nodes = tree_nodes if options.tree_nodes is None else options.tree_nodes
         self.tree_min_prob = tree_min_prob if options.tree_min_prob is None else options.tree_min_prob
         self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
-                               else default_min_draft_prob(self.device.type))
+                               else default_min_draft_prob(self.device.type, self.dtype))
         self.pace = default_pace(self.device.type) if options.pace is None else options.pace
         self.pacer: Pacer | None = None  # the last decode call's (its measured costs, for reports)
         if options.threads is not None and self.device.type == "cpu":
@@ -347,7 +347,7 @@ class WhisperFlashEngine:
         if self.drafter is not None:
             self.drafter = self.drafter.to(device=self.device, dtype=self.dtype).eval()
             int8 = options.drafter_int8
-            self.drafter.set_cpu_int8(default_drafter_int8(self.device.type) if int8 is None else int8)
+            self.drafter.set_cpu_int8(default_drafter_int8(self.device.type, self.dtype) if int8 is None else int8)
         history_layers = self.drafter.config.history_layers if self.drafter is not None else ()
         self.target = WhisperTarget(self.model, history_layers)
         self.timing = Timing()

@@ -88,7 +88,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         self.drafter_dir = str(drafter_dir)
         self.num_draft_tokens = int(num_draft_tokens)
         self.min_draft_prob = min_draft_prob  # None: by the drafter's device (the runner decides)
-        self.drafter_int8 = drafter_int8  # None: by the drafter's device (on for CPU)
+        self.drafter_int8 = drafter_int8  # None: by the drafter's device and dtype (on for an fp32 CPU)
         self.tree_nodes, self.tree_min_prob = tree_nodes, tree_min_prob  # None: by device (the runner)
         self.drafter = None
         self.tap = None
@@ -129,7 +129,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         from sglang_omni_flash.engine.options import default_drafter_int8
 
         device_type = self.drafter.mask.device.type
-        self.drafter.set_cpu_int8(default_drafter_int8(device_type) if self.drafter_int8 is None else self.drafter_int8)
+        self.drafter.set_cpu_int8(default_drafter_int8(device_type, dtype) if self.drafter_int8 is None else self.drafter_int8)
         logger.info("whisper-flash: drafter %s (%d parameters, %d draft tokens, history layers %s, int8 %s)",
                     self.drafter_dir, self.drafter.num_parameters(), self.num_draft_tokens,
                     self.drafter.config.history_layers, self.drafter.int8_inference)

@@ -168,12 +168,13 @@ class WhisperFlashModelRunner(ModelRunner):
         # (0: always k; None: by device, as the standalone engine: on a CPU every verified row
         # costs); a request whose round proposed or accepted nothing drafts again only after
         # 1, 2, 4 .. max_backoff stock steps. Neither changes the output, only the cost.
+        weights = next(drafter.parameters())
         if min_draft_prob is None:
-            min_draft_prob = default_min_draft_prob(next(drafter.parameters()).device.type)
+            min_draft_prob = default_min_draft_prob(weights.device.type, weights.dtype)
         self.min_draft_prob = float(min_draft_prob)
         # Greedy steps verify a draft tree of up to tree_nodes nodes per request instead of a chain
         # (flash/tree.py; 0 = chain). None: by device, as the standalone engine.
-        nodes, min_prob = default_tree(next(drafter.parameters()).device.type)
+        nodes, min_prob = default_tree(weights.device.type, weights.dtype)
         self.tree_nodes = nodes if tree_nodes is None else int(tree_nodes)
         self.tree_min_prob = min_prob if tree_min_prob is None else float(tree_min_prob)
         self.max_backoff = int(max_backoff)
