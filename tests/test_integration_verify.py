@@ -1,41 +1,57 @@
-"""The verify pass's encoder-slot shortcut (integration/verify.py) without a server: a request
-whose encoder K/V sit in one ascending run of pool slots is read as a slice, and attention over
-that slice is bit-identical to attention over the gathered rows. The whole pass is checked
-against the plain server in test_integration_spec_server.py."""
+"""The decode step's and the verify pass's attention without a server (integration/cpu_decode.py,
+verify.py): encoder K/V in one ascending run of pool slots are read as a slice with attention
+bit-identical to the gathered rows, and a verify row's attention is the plain step's. The whole
+pass is checked against the plain server in test_integration_spec_server.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from sglang_omni_flash.integration.verify import _attend, _rows, _run_start
+from sglang_omni_flash.integration.cpu_decode import attend_row, slot_run
 
 
-def test_run_start_finds_only_one_ascending_run():
-    assert _run_start(torch.arange(300, 1800)) == 300
-    assert _run_start(torch.tensor([7])) == 7
-    assert _run_start(torch.tensor([], dtype=torch.long)) is None
-    assert _run_start(torch.tensor([5, 6, 8, 9])) is None  # a gap
-    assert _run_start(torch.tensor([6, 5, 7, 8])) is None  # same span, not ascending
-    assert _run_start(torch.tensor([4, 6, 5, 7])) is None  # ends 3 apart over 4 slots, but shuffled
+def test_slot_run_slices_only_one_ascending_run():
+    pool = torch.arange(4000.0).view(2000, 1, 2)
+    for slots in (torch.arange(300, 1800), torch.tensor([7])):
+        view = slot_run(pool, slots)
+        assert view.data_ptr() == pool[int(slots[0])].data_ptr() and torch.equal(view, pool[slots])
+    for slots in (torch.tensor([5, 6, 8, 9]), torch.tensor([6, 5, 7, 8]), torch.tensor([4, 6, 5, 7])):
+        view = slot_run(pool, slots)  # a gap, not ascending, shuffled: gathered
+        assert view.data_ptr() != pool.data_ptr() and torch.equal(view, pool[slots])
+    assert slot_run(pool, torch.tensor([], dtype=torch.long)).shape == (0, 1, 2)
 
 
-def test_slice_and_gather_give_identical_attention():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slice_and_gather_give_identical_attention(dtype):
     g = torch.Generator().manual_seed(0)
-    pool_k = torch.randn(5000, 8, 64, generator=g)
-    pool_v = torch.randn(5000, 8, 64, generator=g)
-    q = torch.randn(9, 8, 64, generator=g)
+    pool_k = torch.randn(5000, 8, 64, generator=g).to(dtype)
+    pool_v = torch.randn(5000, 8, 64, generator=g).to(dtype)
+    q = torch.randn(8, 64, generator=g).to(dtype)
     run = torch.arange(1200, 2700)
-    start = _run_start(run)
-    sliced = _rows(pool_k, run, start)
-    assert sliced.data_ptr() == pool_k[1200].data_ptr()  # a view: nothing copied
-    assert torch.equal(sliced, pool_k[run]) and sliced.stride() == pool_k[run].stride()
-    a = _attend(q, _rows(pool_k, run, start), _rows(pool_v, run, start), None, 0.125)
-    b = _attend(q, pool_k[run], pool_v[run], None, 0.125)
-    assert torch.equal(a, b)
+    sliced = slot_run(pool_k, run)
+    assert sliced.stride() == pool_k[run].stride()
+    assert torch.equal(attend_row(q, sliced, slot_run(pool_v, run), 0.125),
+                       attend_row(q, pool_k[run], pool_v[run], 0.125))
 
-    scattered = run[torch.randperm(run.numel(), generator=g)]
-    assert _run_start(scattered) is None
-    assert torch.equal(_rows(pool_k, scattered, None), pool_k[scattered])
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_rows_attention_is_the_decode_steps(dtype):
+    """verify_forward attends row by row over the keys a row sees (chain: its predecessors; tree: its
+    ancestors), the decode step over the keys up to its position: the same call on the same values."""
+    from sglang_omni_flash.integration.verify import VerifyRow
+
+    g = torch.Generator().manual_seed(1)
+    pool_k = torch.randn(64, 8, 64, generator=g).to(dtype)
+    pool_v = torch.randn(64, 8, 64, generator=g).to(dtype)
+    q = torch.randn(8, 64, generator=g).to(dtype)
+    tree = VerifyRow(row=0, encoder_len=0, prefix_len=5, tokens=(1, 2, 3, 4), depths=(1, 2, 1), parents=(0, 1, 0))
+    slots = torch.arange(10, 19)  # prefix 10..14, tree rows 15..18
+    visible = slots[tree.mask("cpu")[2]]  # node 2: prefix, anchor, node 1, itself
+    assert visible.tolist() == [10, 11, 12, 13, 14, 15, 16, 17]
+    as_verified = attend_row(q, pool_k[visible], pool_v[visible], 0.125)
+    as_a_step = attend_row(q, pool_k[10:18].clone(), pool_v[10:18].clone(), 0.125)  # the accepted path, laid out
+    assert torch.equal(as_verified, as_a_step)
 
 
 def test_tree_rows_have_depth_positions_and_ancestor_masks():

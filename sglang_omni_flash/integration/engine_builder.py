@@ -1,8 +1,9 @@
 """The plugin's Whisper ASR engine builders (subclasses of sglang-omni's ``WhisperASREngineBuilder``).
 
-* ``WhisperFlashEngineBuilder``      the stock builder with the ``.en`` prompt fix; built by
-  ``stages.create_whisper_flash_asr_executor`` only when the stock builder would do the wrong
-  thing (multilingual checkpoints without ``--asr.speculative`` use sglang-omni's factory).
+* ``WhisperFlashEngineBuilder``      the stock builder with the ``.en`` prompt fix and, on a CPU, the
+  decode step of ``cpu_decode`` (packed linears, one-row attention without copies); built by
+  ``stages.create_whisper_flash_asr_executor`` on a CPU and for ``.en`` checkpoints (multilingual
+  checkpoints on CUDA without ``--asr.speculative`` use sglang-omni's factory).
 * ``WhisperFlashSpecEngineBuilder``  adds the Whisper-Flash decode worker
   (``--asr.speculative whisper-flash``): loads the drafter before the KV pool is sized,
   installs the history hooks and the encoder tee on the target, and swaps in
@@ -31,6 +32,12 @@ logger = logging.getLogger("sglang_omni_flash.spec")
 
 
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
+    def setup_model(self, *, model_worker, **kwargs) -> None:
+        super().setup_model(model_worker=model_worker, **kwargs)
+        from sglang_omni_flash.integration.cpu_decode import install
+
+        install(model_worker.model_runner.model)  # CPU only (a no-op elsewhere)
+
     def make_adapters(self, model):
         if not is_english_only(self.generation_config):
             return super().make_adapters(model)

@@ -4,14 +4,24 @@ With ``speculative="whisper-flash"`` it builds ``WhisperFlashSpecEngineBuilder``
 Whisper-Flash decode worker) with the drafter ``drafter_source.resolve_drafter`` picks; a
 drafter that does not fit the target is refused here, before anything is loaded. Without
 ``speculative`` and for multilingual checkpoints it is sglang-omni's
-``create_sglang_whisper_asr_executor`` called with the very same kwargs. English-only
-(``.en``) checkpoints get the plugin builder, which fixes their prompt prefix
-(``english_only.py``). The stage worker imports this module by its dotted path
+``create_sglang_whisper_asr_executor`` called with the very same kwargs, except on a CPU and
+for English-only (``.en``) checkpoints: they get the plugin builder, which fixes the ``.en``
+prompt prefix (``english_only.py``) and gives a CPU its decode step (``cpu_decode.py``). The stage worker imports this module by its dotted path
 (``StageConfig.factory_path``), so it needs no registration of its own.
 """
 
 from __future__ import annotations
 
+
+
+def _on_cpu(stock_kwargs: dict) -> bool:
+    """Whether the stage will run on a CPU (then the plugin builder's CPU decode step pays)."""
+    device = str(stock_kwargs.get("device") or "")
+    if device:
+        return device.startswith("cpu")
+    from sglang_omni_flash.serving.cpu import cuda_available
+
+    return not cuda_available()
 
 
 def create_whisper_flash_asr_executor(
@@ -42,7 +52,7 @@ def create_whisper_flash_asr_executor(
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
 
-    if checkpoint_is_english_only(model_path):
+    if checkpoint_is_english_only(model_path) or _on_cpu(stock_kwargs):
         from sglang_omni_flash.integration.engine_builder import WhisperFlashEngineBuilder, build_executor
 
         return build_executor(WhisperFlashEngineBuilder, model_path, gpu_id=gpu_id, **stock_kwargs)

@@ -7,10 +7,14 @@ layer. This pass runs the target's own decoder modules (same weights, same K/V p
 attends with exactly the new rows:
 
 * self-attention   the new K/V are written to their slots in the paged pool first, then each
-                   request's query rows attend to ``req_to_token[row, enc : enc + L + n]``
-                   (prefix and new slots) with a causal mask offset by the prefix length L;
-* cross-attention  the query rows attend to the request's cached encoder K/V,
+                   new row attends to the slots it sees in ``req_to_token[row, enc : enc + L + n]``
+                   (the prefix, then its chain predecessors or tree ancestors, then itself);
+* cross-attention  each new row attends to the request's cached encoder K/V,
                    ``req_to_token[row, 0 : enc]`` in the cross layer planes (written at prefill).
+
+Each row goes through ``cpu_decode.attend_row`` on its own, over exactly the keys a plain decode
+step at its position attends to, and the linears and head through the same packed copies as the
+decode step: a verified row has the bits of that plain step (cpu_decode.py explains why).
 
 It also returns the residual stream after the drafter's history layers (before the final
 layer norm), so no hooks are needed on this path. Pure torch over sglang's pool tensors:
@@ -22,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sglang_omni_flash.flash.cpu_linear import frozen_copy
+from sglang_omni_flash.integration.cpu_decode import attend_row, slot_run
 
 
 @dataclass(frozen=True)
@@ -65,34 +69,6 @@ class VerifyOutput:
     offsets: list[int]  # start row of each request in the flat outputs
 
 
-def _rows(buf: Tensor, slots: Tensor, start: int | None) -> Tensor:
-    """buf[slots]; a slice when the slots are one ascending run from `start` (no copy).
-
-    Both are the same contiguous [S, H, hd] values with the same strides, so attention over
-    them gives bit-identical results; the slice only skips copying 1,500 encoder rows per layer
-    and request, which on a CPU costs more than the attention itself (measured 3.6 vs 1.5 ms)."""
-    return buf[start: start + slots.numel()] if start is not None else buf[slots]
-
-
-def _run_start(slots: Tensor) -> int | None:
-    """The first slot if `slots` is one ascending run of consecutive slots, else None."""
-    if slots.numel() == 0:
-        return None
-    first = int(slots[0])
-    if int(slots[-1]) - first != slots.numel() - 1 or (slots.numel() > 1 and not bool((slots.diff() == 1).all())):
-        return None
-    return first
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """q [n, H, hd], k/v [S, H, hd] -> [n, H*hd]."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-        attn_mask=mask, scale=scale,
-    )
-    return o.transpose(0, 1).reshape(q.shape[0], -1)
-
-
 @torch.inference_mode()
 def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
                    history_layers: tuple[int, ...]) -> VerifyOutput:
@@ -101,8 +77,8 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
     Every linear and the tied head run through their `frozen_copy` (packed once on CPU; see
     flash/cpu_linear.py)."""
 
-    def lin(module, x: Tensor, single_row: bool = False) -> Tensor:
-        return frozen_copy(module, single_row)(x)
+    def lin(module, x: Tensor) -> Tensor:
+        return frozen_copy(module)(x)
 
     decoder = model.model.decoder
     device = decoder.embed_tokens.weight.device
@@ -119,7 +95,6 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
     ]).long()
     self_slots = [t[r.encoder_len: r.encoder_len + r.prefix_len + n].long() for t, r, n in zip(table, rows, lengths)]
     cross_slots = [t[: r.encoder_len].long() for t, r in zip(table, rows)]
-    cross_starts = [_run_start(slots) for slots in cross_slots]  # encoder slots are allocated at once
     causal = [r.mask(device) for r in rows]
 
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -134,9 +109,9 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         q = q.reshape(-1, heads, hd)
         kv_pool.set_kv_buffer(sa.attn, KVWriteLoc(new_slots), k.reshape(-1, heads, hd), v.reshape(-1, heads, hd))
         kbuf, vbuf = kv_pool.get_key_buffer(sa.attn.layer_id), kv_pool.get_value_buffer(sa.attn.layer_id)
-        o = torch.cat([
-            _attend(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], causal[i], sa.scaling)
-            for i, slots in enumerate(self_slots)
+        o = torch.stack([
+            attend_row(q[offsets[i] + j], kbuf[slots[visible]], vbuf[slots[visible]], sa.scaling)
+            for i, slots in enumerate(self_slots) for j, visible in enumerate(causal[i])
         ])
         h = h + lin(sa.out_proj, o)
 
@@ -144,10 +119,10 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         x = layer.encoder_attn_layer_norm(h)
         q = lin(ca.q_proj, x).reshape(-1, ca.num_heads, ca.head_dim)
         kbuf, vbuf = kv_pool.get_key_buffer(ca.attn.layer_id), kv_pool.get_value_buffer(ca.attn.layer_id)
-        o = torch.cat([
-            _attend(q[offsets[i]: offsets[i + 1]], _rows(kbuf, slots, cross_starts[i]),
-                    _rows(vbuf, slots, cross_starts[i]), None, ca.scaling)
-            for i, slots in enumerate(cross_slots)
+        keys = [(slot_run(kbuf, slots), slot_run(vbuf, slots)) for slots in cross_slots]
+        o = torch.stack([
+            attend_row(q[offsets[i] + j], *keys[i], ca.scaling)
+            for i in range(len(rows)) for j in range(lengths[i])
         ])
         h = h + lin(ca.out_proj, o)
 
@@ -156,6 +131,6 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         if index in history_layers:
             captured[index] = h
     hidden = decoder.layer_norm(h)
-    logits = lin(model.lm_head, hidden, single_row=True)
+    logits = lin(model.lm_head, hidden)  # the packed head at every row count, as the decode step (cpu_decode)
     history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
     return VerifyOutput(logits=logits, history=history, offsets=offsets)
