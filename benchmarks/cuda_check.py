@@ -1,13 +1,16 @@
 """A short CUDA check of the standalone engine (a few minutes on one GPU).
 
     python benchmarks/cuda_check.py [--model base|tiny.en|DIR] [--manifest FILE | --audio FILE...]
-                                    [--clips 16] [--batch-sizes 1,4,8] [--repeats 3]
+                                    [--clips 16] [--batch-sizes 1,4,8] [--repeats 3] [--dtype auto|float16|bfloat16]
 
-What it checks, on CUDA in float16 with CUDA graphs (prefill, each verify length, drafter):
+What it checks, on CUDA in --dtype (auto: float16) with CUDA graphs (prefill, each verify length, drafter):
   1. exactness: Whisper-Flash tokens == greedy tokens (same graph-captured target) with the
      drafter the engine picks (shipped, else untrained), an oracle proposer (everything accepted,
      EOS inside a block) and an adversarial one (wrong at block position 3), at every batch size;
      and a greedy draft tree of --tree-nodes nodes (verified eagerly: no CUDA graph for a tree mask);
+  1b. the drafter is the shipped one and is accepted in this dtype (its identity is an embedding
+     probe compared with a cast tolerance; an fp16-hash check once made a bf16 engine fall back
+     to an untrained drafter silently): alpha >= 0.3 with a shipped drafter, else the run fails;
   2. graphs vs eager: greedy through CUDA graphs vs greedy without them (fp16 ties may differ on a
      few tokens, as the paper's A.5 notes; reported, not failed);
   3. timing: greedy and Whisper-Flash, median of repeats, from log-mel to the last token,
@@ -66,6 +69,7 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tree-nodes", type=int, default=16, help="draft-tree engine's nodes (0: skip it)")
+    p.add_argument("--dtype", default="auto", help="auto (float16 on CUDA), float16 or bfloat16")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
@@ -79,17 +83,19 @@ def main() -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     waves, source = clips_from(args)
     audio_s = sum(min(len(w) / 16000, 30.0) for w in waves)
-    engine = WhisperFlashEngine(EngineOptions(model=args.model, drafter=args.drafter, batch_size=sizes[0], device="cuda"))
+    engine = WhisperFlashEngine(EngineOptions(model=args.model, drafter=args.drafter, batch_size=sizes[0], device="cuda",
+                                              dtype=args.dtype))
     features = engine.log_mel(waves)
     tree_engine = None
     if args.tree_nodes and engine.drafter is not None:
         tree_engine = WhisperFlashEngine(
             EngineOptions(model=args.model, batch_size=sizes[0], device="cuda", tree_nodes=args.tree_nodes,
-                          tree_min_prob=0.0),
+                          tree_min_prob=0.0, dtype=args.dtype),
             model=engine.model, drafter=engine.drafter,
         )
     eager = WhisperFlashEngine(
-        EngineOptions(model=args.model, batch_size=max(sizes), device="cuda", cuda_graphs=False, speculative=False),
+        EngineOptions(model=args.model, batch_size=max(sizes), device="cuda", cuda_graphs=False, speculative=False,
+                      dtype=args.dtype),
         model=engine.model,
     )
     report = {
@@ -97,6 +103,7 @@ def main() -> int:
         "model": str(engine.model_dir),
         "drafter": engine.drafter_source,
         "dtype": str(engine.dtype),
+        "dtype_reason": engine.dtype_choice.reason,
         "clips": len(waves),
         "audio_source": source,
         "audio_s": round(audio_s, 2),
@@ -150,6 +157,9 @@ def main() -> int:
         proposed = sum(f.proposed for f in flash)
         row["flash"]["alpha"] = round(sum(f.accepted for f in flash) / proposed, 4) if proposed else 0.0
         row["flash"]["tau"] = round(sum(len(f.tokens) for f in flash) / calls, 3)
+        if "shipped" in str(engine.drafter_source):
+            row["shipped_drafter_accepted"] = row["flash"]["alpha"] >= 0.3
+            ok &= row["shipped_drafter_accepted"]
         row["speedup"] = round(row["flash"]["audio_s_per_s"] / row["greedy"]["audio_s_per_s"], 3)
         if tree is not None:
             row["flash_tree"]["tau"] = round(sum(len(f.tokens) for f in tree) / sum(f.target_calls for f in tree), 3)

@@ -38,18 +38,22 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # Candidates proposed per round (the drafter's block size is the upper bound).
     speculative_num_draft_tokens: int = Field(default=8, ge=1, le=64)
     # Propose candidates only while the drafter's probability of its token is at least this
-    # (0: always the full block; None: by device, 0.2 on CPU and 0 on CUDA). Changes the cost of
+    # (0: always the full block; None: by device and dtype, 0.2 on an fp32 CPU, else 0). Changes the cost of
     # a step, never the output.
     speculative_min_draft_prob: float | None = Field(default=None, ge=0.0, le=1.0)
     # Run the drafter's per-round linears and head on int8 weights (CPU only; proposals and cost
-    # change, never the output). None: by device, on for CPU.
+    # change, never the output). None: by device and dtype, on for an fp32 CPU.
     speculative_drafter_int8: bool | None = None
+    # Per step, a round only where its measured cost is paid by the running acceptance, else a
+    # stock step (engine/pacing.py; cost only, never output). None: by device, on for CPU.
+    speculative_pace: bool | None = None
     # Greedy steps verify a draft tree of up to this many nodes per request (the drafter's likeliest
     # continuations sharing their prefixes; flash/tree.py) instead of one chain: more tokens per
-    # target pass, same output. 0: the paper's chain. None: by device, 8 on CPU and 0 on CUDA.
+    # target pass, same output. 0: the paper's chain. None: by device and dtype, 8 on an fp32 CPU, 16 on
+    # a bf16 CPU, 0 on CUDA.
     speculative_tree_nodes: int | None = Field(default=None, ge=0, le=32)
     # Tree nodes whose path probability under the drafter is below this are left out (>= 1 node).
-    # None: by device (0.05 on CPU).
+    # None: by device and dtype (0.05 on an fp32 CPU, 0.02 on a bf16 CPU).
     speculative_tree_min_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("speculative", mode="before")
@@ -90,6 +94,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
             "speculative_min_draft_prob": self.speculative_min_draft_prob,
             "speculative_drafter_int8": self.speculative_drafter_int8,
+            "speculative_pace": self.speculative_pace,
             "speculative_tree_nodes": self.speculative_tree_nodes,
             "speculative_tree_min_prob": self.speculative_tree_min_prob,
         }

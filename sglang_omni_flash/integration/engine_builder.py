@@ -89,7 +89,7 @@ def drafter_dtype(target: TargetView):
 class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
     def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float | None = None,
                  drafter_int8: bool | None = None, tree_nodes: int | None = None,
-                 tree_min_prob: float | None = None, **stock):
+                 tree_min_prob: float | None = None, pace: bool | None = None, **stock):
         stock["enable_async_decode"] = False
         super().__init__(**stock)
         self.drafter_dir = str(drafter_dir)
@@ -97,6 +97,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         self.min_draft_prob = min_draft_prob  # None: by the drafter's device (the runner decides)
         self.drafter_int8 = drafter_int8  # None: by the drafter's device and dtype (on for an fp32 CPU)
         self.tree_nodes, self.tree_min_prob = tree_nodes, tree_min_prob  # None: by device (the runner)
+        self.pace = pace  # None: by device (the runner)
         self.drafter = None
         self.tap = None
         self.runner = None
@@ -161,7 +162,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         self.runner = WhisperFlashModelRunner(model_worker, output_proc, drafter=self.drafter, tap=self.tap,
                                               num_draft_tokens=self.num_draft_tokens,
                                               min_draft_prob=self.min_draft_prob, tree_nodes=self.tree_nodes,
-                                              tree_min_prob=self.tree_min_prob)
+                                              tree_min_prob=self.tree_min_prob, pace=self.pace)
         self.runner.step_tokens = self.step_tokens
         return self.runner
 

@@ -36,7 +36,8 @@ from torch import Tensor
 
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.engine.options import default_min_draft_prob, default_tree
+from sglang_omni_flash.engine.options import default_min_draft_prob, default_pace, default_tree
+from sglang_omni_flash.engine.pacing import Pacer
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -161,7 +162,7 @@ class WhisperFlashModelRunner(ModelRunner):
 
     def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, num_draft_tokens: int,
                  min_draft_prob: float | None = None, max_backoff: int = 8, tree_nodes: int | None = None,
-                 tree_min_prob: float | None = None):
+                 tree_min_prob: float | None = None, pace: bool | None = None):
         super().__init__(tp_worker, output_processor)
         self.drafter = drafter
         # Candidates are proposed while the drafter's probability of its own token is >= this
@@ -178,6 +179,12 @@ class WhisperFlashModelRunner(ModelRunner):
         self.tree_nodes = nodes if tree_nodes is None else int(tree_nodes)
         self.tree_min_prob = min_prob if tree_min_prob is None else float(tree_min_prob)
         self.max_backoff = int(max_backoff)
+        # Per step, for the whole batch: a round only where its measured cost is paid by the running
+        # acceptance, else a stock step (engine/pacing.py, as the standalone engine; cost only, never
+        # output). None: by device, on for CPU (at C=16 in fp32 a round costs far more than a step).
+        if pace is None:
+            pace = default_pace(weights.device.type)
+        self.pacer = Pacer() if pace else None
         self.tap = tap
         self.k = min(int(num_draft_tokens), drafter.config.block_size)
         cfg = drafter.config
@@ -318,8 +325,11 @@ class WhisperFlashModelRunner(ModelRunner):
                                room=room))
         if not any(p.k for p in plans):
             return self._stock_step()
+        if self.pacer is not None and not self.pacer.speculate(len(reqs)):
+            return self._stock_step()
+        round_t0 = time.perf_counter()
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            t0 = round_t0
             self._draft(plans, schedule_batch)  # may shorten p.k (confidence cut)
             self.timing["draft"] += time.perf_counter() - t0
             self.timing["draft_steps"] += 1
@@ -330,7 +340,11 @@ class WhisperFlashModelRunner(ModelRunner):
             return self._stock_step()
         try:
             with torch.inference_mode():
-                return self._speculate(plans, extra, schedule_batch)
+                out = self._speculate(plans, extra, schedule_batch)
+            if self.pacer is not None:
+                emitted = sum(len(self.step_tokens.get(req.rid, ())) or 1 for req in reqs)
+                self.pacer.record_round(len(reqs), time.perf_counter() - round_t0, emitted / len(reqs))
+            return out
         except BaseException:
             if not self._committed:
                 allocator.free(extra)  # nothing of this step reached sglang's bookkeeping
@@ -546,8 +560,11 @@ class WhisperFlashModelRunner(ModelRunner):
         if not self._plain_step:
             return
         self._plain_step = False
-        self.timing["stock"] += time.perf_counter() - self._stock_t0
+        seconds = time.perf_counter() - self._stock_t0
+        self.timing["stock"] += seconds
         self.timing["stock_steps"] += 1
+        if self.pacer is not None:
+            self.pacer.record_step(len(schedule_batch.reqs), seconds)
         states, _ = self.tap.disarm()
         seq_lens = schedule_batch.seq_lens_cpu.tolist()
         for i, req in enumerate(schedule_batch.reqs):

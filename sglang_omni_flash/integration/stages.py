@@ -35,6 +35,7 @@ def create_whisper_flash_asr_executor(
     speculative_drafter_int8: bool | None = None,
     speculative_tree_nodes: int | None = None,
     speculative_tree_min_prob: float | None = None,
+    speculative_pace: bool | None = None,
     **stock_kwargs,
 ):
     if speculative is not None:
@@ -47,7 +48,8 @@ def create_whisper_flash_asr_executor(
             builder_kwargs={"drafter_dir": str(drafter_dir), "num_draft_tokens": speculative_num_draft_tokens,
                             "min_draft_prob": speculative_min_draft_prob,
                             "drafter_int8": speculative_drafter_int8,
-                            "tree_nodes": speculative_tree_nodes, "tree_min_prob": speculative_tree_min_prob},
+                            "tree_nodes": speculative_tree_nodes, "tree_min_prob": speculative_tree_min_prob,
+                            "pace": speculative_pace},
             **stock_kwargs,
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
