@@ -341,9 +341,8 @@ class WhisperFlashModelRunner(ModelRunner):
             return self._stock_step()
         if self.pacer is not None and not self.pacer.speculate(len(reqs)):
             return self._stock_step()
-        round_t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
         with torch.inference_mode():
-            t0 = round_t0
             self._draft(plans, schedule_batch)  # may shorten p.k (confidence cut)
             self.timing["draft"] += time.perf_counter() - t0
             self.timing["draft_steps"] += 1
@@ -357,7 +356,7 @@ class WhisperFlashModelRunner(ModelRunner):
                 out = self._speculate(plans, extra, schedule_batch)
             if self.pacer is not None:
                 emitted = sum(len(self.step_tokens.get(req.rid, ())) or 1 for req in reqs)
-                self.pacer.record_round(len(reqs), time.perf_counter() - round_t0, emitted / len(reqs))
+                self.pacer.record_round(len(reqs), time.perf_counter() - t0, emitted / len(reqs))
             return out
         except BaseException:
             if not self._committed:

@@ -6,8 +6,9 @@ drafter that does not fit the target is refused here, before anything is loaded.
 ``speculative`` and for multilingual checkpoints it is sglang-omni's
 ``create_sglang_whisper_asr_executor`` called with the very same kwargs, except on a CPU and
 for English-only (``.en``) checkpoints: they get the plugin builder, which fixes the ``.en``
-prompt prefix (``english_only.py``) and gives a CPU its decode step (``cpu_decode.py``). The stage worker imports this module by its dotted path
-(``StageConfig.factory_path``), so it needs no registration of its own.
+prompt prefix (``english_only.py``) and gives a CPU its decode step (``cpu_decode.py``). The
+stage worker imports this module by its dotted path (``StageConfig.factory_path``), so it needs
+no registration of its own.
 """
 
 from __future__ import annotations
