@@ -26,7 +26,8 @@ Metrics per server and concurrency (over all repeats):
   mean / p95 latency seconds from sending a request to its full response
   RTF                mean over requests of latency / audio duration (lower is faster)
   WER                corpus WER against the manifest text after Whisper's English normaliser
-  identical          requests whose text equals the baseline server's text for the same variant
+  identical          requests whose whole response equals the baseline server's for the same variant
+                     (`--response-format srt|vtt|verbose_json`: timestamps included)
 
 Writes results.json, results.md and results.png (needs matplotlib; skipped with a warning
 if it is not installed) into --out, and prints the markdown table.
@@ -99,8 +100,9 @@ class RequestRecord:
     clip_id: str
     duration: float
     latency_s: float | None
-    text: str | None
+    text: str | None  # the transcript (subtitle cue texts for srt / vtt): what WER reads
     error: str | None = None
+    body: str | None = None  # the whole response: what "identical" compares (timestamps included)
 
 
 # ---------------------------------------------------------------------------- audio
@@ -219,7 +221,17 @@ def stop_target(target: Target) -> None:
 _sessions = threading.local()
 
 
-def transcribe(url: str, audio: bytes, name: str, options: BenchOptions) -> tuple[float, str]:
+def transcript_of(body: str, response_format: str) -> str:
+    """The words of a response: json / verbose_json text, plain text, or the cue lines of srt / vtt."""
+    if response_format in ("json", "verbose_json"):
+        return json.loads(body)["text"].strip()
+    if response_format == "text":
+        return body.strip()
+    lines = [line.strip() for line in body.splitlines()]
+    return " ".join(line for line in lines if line and "-->" not in line and not line.isdigit() and line != "WEBVTT")
+
+
+def transcribe(url: str, audio: bytes, name: str, options: BenchOptions) -> tuple[float, str, str]:
     session = getattr(_sessions, "session", None)
     if session is None:
         session = _sessions.session = requests.Session()
@@ -232,8 +244,7 @@ def transcribe(url: str, audio: bytes, name: str, options: BenchOptions) -> tupl
     latency = time.perf_counter() - start
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-    text = resp.text if options.response_format == "text" else resp.json()["text"]
-    return latency, text.strip()
+    return latency, transcript_of(resp.text, options.response_format), resp.text
 
 
 def run_pass(target: Target, clips: list[Utterance], variants: list[bytes], concurrency: int,
@@ -250,9 +261,9 @@ def run_pass(target: Target, clips: list[Utterance], variants: list[bytes], conc
         for future in as_completed(futures):
             clip = futures[future]
             try:
-                latency, text = future.result()
+                latency, text, body = future.result()
                 records.append(RequestRecord(target.name, concurrency, pass_id, clip.id, clip.duration,
-                                             latency, text))
+                                             latency, text, body=body))
             except Exception as exc:
                 records.append(RequestRecord(target.name, concurrency, pass_id, clip.id, clip.duration,
                                              None, None, error=f"{type(exc).__name__}: {exc}"[:400]))
@@ -280,7 +291,7 @@ def summarise(records: list[RequestRecord], wall_s: float, loads: list[tuple[flo
     audio_s = sum(r.duration for r in ok)
     identical = None
     if baseline is not None:
-        identical = sum(1 for r in ok if baseline.get((r.pass_id, r.clip_id)) == r.text)
+        identical = sum(1 for r in ok if baseline.get((r.pass_id, r.clip_id)) == r.body)
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -420,7 +431,7 @@ def run(options: BenchOptions, targets: list[Target], out_dir: Path, normalizer,
             stop_target(target)
 
     baseline_name = live[0].name if live else None
-    baseline_texts = {(r.pass_id, r.clip_id): r.text for r in records
+    baseline_texts = {(r.pass_id, r.clip_id): r.body for r in records
                       if r.server == baseline_name and r.error is None}
     rows = []
     for concurrency in options.concurrency:
@@ -471,7 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="6 clips, concurrency 1,2, 1 repeat, 1 warm-up")
     parser.add_argument("--no-cache-busting", action="store_true",
                         help="send the original files every pass (then the server's encoder cache is measured)")
-    parser.add_argument("--response-format", default="json", choices=("json", "text", "verbose_json"))
+    parser.add_argument("--response-format", default="json", choices=("json", "text", "verbose_json", "srt", "vtt"),
+                        help="srt, vtt and verbose_json are timestamped decodes (segment times); identity "
+                             "compares whole responses")
     parser.add_argument("--language", default="en", help="language field sent ('' to send none)")
     parser.add_argument("--spelling-json", type=Path, default=None,
                         help="Whisper's english.json / normalizer.json (British->American spellings) for WER")

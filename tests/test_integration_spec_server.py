@@ -23,26 +23,29 @@ from sglang_omni_flash.serving.launch import ServeOptions
 
 pytestmark = pytest.mark.server
 
-N_CLIPS = 20  # + one > 30 s clip made by concatenation
-FORMATS = ("json", "verbose_json", "srt")
+N_CLIPS = 20  # + one > 30 s clip made by concatenation + the 53 s LibriVox reading
+FORMATS = ("json", "verbose_json", "srt", "vtt")
+TIMESTAMPED = ("verbose_json", "srt", "vtt")
 # The other request options, each on the first N_OPTION_CLIPS clips: (endpoint, form).
 OPTION_REQUESTS = {
     "text": ("transcriptions", {"response_format": "text"}),
-    "vtt": ("transcriptions", {"response_format": "vtt"}),
     "language": ("transcriptions", {"response_format": "json", "language": "en"}),
     "prompt": ("transcriptions", {"response_format": "json",
                                   "prompt": "Botchan, Red Shirt, Porcupine and the Madonna."}),
     "translation": ("translations", {"response_format": "json"}),
     "translation-text": ("translations", {"response_format": "text"}),
+    "translation-srt": ("translations", {"response_format": "srt"}),
 }
 N_OPTION_CLIPS = 4
+NO_PACER = ("--asr.speculative_pace", "false")  # see spec_server
 FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(\d+%\) target_calls=(\d+) "
                          r"kv_free=(\d+)(?: ids=\[([\d, ]*)\])?")
 
 
 @pytest.fixture(scope="module")
 def clips(test_clips, tmp_path_factory):
-    """20 clips spread over synthetic voices and real lines, plus one > 30 s concatenation."""
+    """20 clips spread over synthetic voices and real lines, one > 30 s concatenation and the
+    whole 53 s LibriVox reading the real lines were cut from (two chunks)."""
     import numpy as np
     import soundfile as sf
 
@@ -61,7 +64,17 @@ def clips(test_clips, tmp_path_factory):
     sf.write(long_wav, np.concatenate(parts), sr)
     assert total > 30
     long_clip = type("Clip", (), {"id": "long-concat", "audio": long_wav, "duration": total})()
-    return [*picked, long_clip]
+    return [*picked, long_clip, reading_clip()]
+
+
+def reading_clip():
+    from sglang_omni_flash.corpus.sources import LIBRIVOX_AUDIO, sdist_member
+    from sglang_omni_flash.paths import audio_dir
+
+    import soundfile as sf
+
+    path = sdist_member(LIBRIVOX_AUDIO, audio_dir() / "sources")
+    return type("Clip", (), {"id": "reading-53s", "audio": path, "duration": sf.info(str(path)).duration})()
 
 
 def transcribe(server, clip, endpoint="transcriptions", **form):
@@ -76,7 +89,7 @@ def body_of(resp, fmt):
 
 
 def answer(resp, fmt):
-    """(status, body): srt of a chunked (> 30 s) clip is a 400 in sglang-omni, the same for both servers."""
+    """(status, body); a 4xx is compared too."""
     return resp.status_code, (resp.json() if fmt.endswith("json") or resp.status_code != 200 else resp.text)
 
 
@@ -109,10 +122,16 @@ def plain_results(base_model_dir, clips, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_server(base_model_dir, plain_results, tmp_path_factory):
-    """Starts after the plain server is gone (plain_results), so the two never share the cores."""
+    """Starts after the plain server is gone (plain_results), so the two never share the cores.
+
+    The pacer is off here and in the chain server: this module checks that every speculative path
+    of the worker (trees, chains, timestamp rows) is exact and accepted, and with the pacer on how
+    many steps speculate depends on this CPU's timings (on a CPU where fp32 rounds at batch 4 do
+    not pay, it rightly steps aside, and a tree-vs-chain count or a "timestamped traffic
+    speculated" check measures the pacer instead). The pacer itself: tests/test_pacing.py."""
     log = tmp_path_factory.mktemp("spec") / "sgl-omni.log"
     srv = started_server(ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log,
-                             extra_args=("--asr.speculative", "whisper-flash")))
+                             extra_args=("--asr.speculative", "whisper-flash", *NO_PACER)))
     yield srv
     srv.stop()
 
@@ -299,7 +318,7 @@ def chain_server(base_model_dir, spec_results, tmp_path_factory):
     candidates, cut where the drafter doubts); starts after the speculative clips are done."""
     log = tmp_path_factory.mktemp("chain") / "sgl-omni.log"
     srv = started_server(ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=log,
-                         extra_args=("--asr.speculative", "whisper-flash", "--asr.speculative_tree_nodes", "0")))
+                         extra_args=("--asr.speculative", "whisper-flash", "--asr.speculative_tree_nodes", "0", *NO_PACER)))
     yield srv
     srv.stop()
 
@@ -322,3 +341,162 @@ def test_chain_worker_is_identical_to_plain_and_the_tree_needs_fewer_target_call
         return sum(line[3] for line in lines) / sum(len(line[5]) for line in lines)
 
     assert calls_per_token(spec_server) < calls_per_token(chain_server)
+
+
+# ------------------------------------------------------------------ timestamps and the OpenAI client
+
+def cue_times(body: str) -> list[tuple[float, float]]:
+    """(start, end) of every srt / vtt cue."""
+    def seconds(stamp: str) -> float:
+        parts = stamp.strip().replace(",", ".").split(":")
+        return sum(float(p) * 60 ** i for i, p in enumerate(reversed(parts)))
+
+    return [tuple(seconds(t) for t in line.split(" --> ")) for line in body.splitlines() if " --> " in line]
+
+
+def timeline(fmt: str, body) -> list[tuple[float, float]]:
+    return [(s["start"], s["end"]) for s in body["segments"]] if fmt == "verbose_json" else cue_times(body)
+
+
+@pytest.mark.parametrize("fmt", TIMESTAMPED)
+def test_timestamped_answers_are_monotonic_and_cover_the_audio(plain_results, spec_results, clips, fmt):
+    """srt, vtt and verbose_json of every clip (the 53 s reading and the > 30 s concatenation
+    included) are 200, their cues never go back in time, stay inside the audio and cover it."""
+    for results in (plain_results, spec_results):
+        for clip in clips:
+            status, body = results[fmt][clip.id]
+            assert status == 200, (fmt, clip.id, body)
+            times = timeline(fmt, body)
+            assert times, (fmt, clip.id, body)
+            assert all(0 <= start <= end <= clip.duration + 0.01 for start, end in times), (clip.id, times)
+            assert all(a[1] <= b[0] + 1e-6 for a, b in zip(times, times[1:])), (clip.id, times)
+            covered = sum(end - start for start, end in times)
+            assert times[0][0] <= 1.5 and covered >= 0.6 * clip.duration, (clip.id, clip.duration, times)
+    reading = timeline(fmt, spec_results[fmt]["reading-53s"][1])
+    # no sentence dropped: a window that stopped early was decoded again from its last timestamp
+    assert max(b[0] - a[1] for a, b in zip(reading, reading[1:])) < 3.0, reading
+    assert reading[-1][1] > 48.0, reading
+
+
+def test_verbose_json_text_is_its_segments_and_the_subtitles_show_them(spec_results, clips):
+    from sglang_omni.serve.transcription_chunking import join_transcript_parts
+
+    for clip in clips:
+        body = spec_results["verbose_json"][clip.id][1]
+        segments = body["segments"]
+        assert body["text"] == join_transcript_parts(s["text"] for s in segments)
+        assert [s["id"] for s in segments] == list(range(len(segments)))
+        assert body["task"] == "transcribe" and abs(body["duration"] - clip.duration) < 0.01
+        for s in segments:  # OpenAI's segment fields
+            assert {"seek", "tokens", "temperature", "compression_ratio"} <= set(s), s
+            assert s["tokens"] and s["temperature"] == 0.0
+        srt_cues = [block.split("\n", 2)[2].strip() for block in spec_results["srt"][clip.id][1].strip().split("\n\n")]
+        assert srt_cues == [s["text"] for s in segments]
+        assert cue_times(spec_results["srt"][clip.id][1]) == cue_times(spec_results["vtt"][clip.id][1]) == [
+            (round(s["start"], 3), round(s["end"], 3)) for s in segments]
+
+
+def test_long_segments_are_the_engines_decode_of_each_chunk_offset_by_its_start(spec_results, clips, base_model_dir):
+    """The 53 s reading: sglang-omni's chunk plan of the upload, each chunk (and each tail decoded
+    again after an early stop) decoded by the standalone engine with timestamps; its segments
+    shifted by the chunk's start are the server's, text and times."""
+    import numpy as np
+    from sglang_omni.models.whisper_asr.request_builders import render_timestamped_text
+    from sglang_omni.serve.transcription_chunking import plan_audio_chunks
+
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.integration.config import WhisperFlashASRPipelineConfig
+    from sglang_omni_flash.integration.segments import verbose_segments
+    from sglang_omni_flash.integration.timestamped_routes import MAX_RESUMES, Piece, resume_at
+
+    clip = next(c for c in clips if c.id == "reading-53s")
+    chunking = WhisperFlashASRPipelineConfig(model_path=str(base_model_dir)).resolved_audio_chunking
+    plan = plan_audio_chunks(clip.audio.read_bytes(), chunking)
+    assert plan is not None and len(plan.spans) >= 2
+    engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), dtype="float32", speculative=False,
+                                              timestamps=True, language="en"))
+    tokenizer = engine.tokenizer
+    begin = tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1
+
+    def decode(start: int, end: int) -> Piece:
+        tokens = engine.transcribe([np.ascontiguousarray(plan.waveform[start:end])])[0].tokens
+        text = render_timestamped_text(tokenizer, [t for t in tokens if t != tokenizer.eos_token_id],
+                                       timestamp_begin_id=begin)
+        return Piece(start / 16000, (end - start) / 16000, text, start, end)
+
+    pieces = [decode(s.start_sample, s.end_sample) for s in plan.spans]
+    for _ in range(MAX_RESUMES):
+        resumed = False
+        for i, piece in enumerate(list(pieces)):
+            at = resume_at(piece, plan.waveform)
+            if at is not None:
+                resumed = True
+                pieces[i] = Piece(piece.start_s, (at - piece.start_sample) / 16000, piece.rendered,
+                                  piece.start_sample, at)
+                pieces.append(decode(at, piece.end_sample))
+        pieces.sort(key=lambda p: p.start_sample)
+        if not resumed:
+            break
+    expected = verbose_segments([(p.start_s, p.duration_s, p.rendered) for p in pieces], temperature=0.0)
+    served = spec_results["verbose_json"][clip.id][1]["segments"]
+    assert [(s["text"], s["start"], s["end"], s["seek"]) for s in served] == [
+        (s["text"], s["start"], s["end"], s["seek"]) for s in expected]
+    assert any(s["start"] >= plan.spans[1].start_s for s in served)  # the second chunk's segments are offset
+
+
+def flash_totals(server) -> dict:
+    return requests.get(f"{server.url}/whisper-flash/stats", timeout=30).json()["totals"]
+
+
+def test_timestamp_only_traffic_speculates(spec_server, spec_results, clips):
+    """srt requests alone: the worker drafts and verifies under the timestamp rules (stats move),
+    and the drafter's candidates are accepted there too; the answers are the same as before."""
+    before = flash_totals(spec_server)
+    for clip in clips[:6]:
+        assert answer(transcribe(spec_server, clip, response_format="srt"), "srt") == spec_results["srt"][clip.id]
+    after = flash_totals(spec_server)
+    assert after["speculative_steps"] > before["speculative_steps"]
+    assert after["proposed_tokens"] > before["proposed_tokens"]
+    assert after["accepted_tokens"] > before["accepted_tokens"]
+
+
+def test_the_official_openai_client_on_both_routes(spec_server, spec_results, clips):
+    """openai 2.x as a user runs it, model="whisper-1": every format on /v1/audio/transcriptions
+    (stream too) and /v1/audio/translations, a short clip and the 53 s reading; the answers are
+    the ones the same server gave to plain multipart requests."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    short = clips[0]
+    reading = next(c for c in clips if c.id == "reading-53s")
+    for clip in (short, reading):
+        for fmt in ("json", "text", "verbose_json", "srt", "vtt"):
+            with open(clip.audio, "rb") as fh:
+                got = client.audio.transcriptions.create(model="whisper-1", file=fh, response_format=fmt)
+            if fmt in ("srt", "vtt", "text"):
+                expected = transcribe(spec_server, clip, response_format="text").text if fmt == "text" else \
+                    spec_results[fmt][clip.id][1]
+                assert got.strip() == expected.strip(), (clip.id, fmt)
+            elif fmt == "json":
+                assert got.text == spec_results["json"][clip.id][1]["text"]
+            else:
+                assert got.text == spec_results["verbose_json"][clip.id][1]["text"]
+                assert [(s.start, s.end, s.text) for s in got.segments] == [
+                    (s["start"], s["end"], s["text"]) for s in spec_results["verbose_json"][clip.id][1]["segments"]]
+        for fmt in ("json", "text", "verbose_json", "srt", "vtt"):
+            with open(clip.audio, "rb") as fh:
+                got = client.audio.translations.create(model="whisper-1", file=fh, response_format=fmt)
+            text = got if isinstance(got, str) else got.text
+            assert text.strip(), (clip.id, fmt)
+            if fmt in ("srt", "vtt"):
+                times = cue_times(got)
+                assert times and all(a[1] <= b[0] + 1e-6 for a, b in zip(times, times[1:])), (clip.id, fmt)
+                assert times[-1][1] <= clip.duration + 0.01
+            if fmt == "verbose_json":
+                assert got.task == "translate" and got.segments
+    with open(short.audio, "rb") as fh:
+        events = list(client.audio.transcriptions.create(model="whisper-1", file=fh, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    done = [e.text for e in events if e.type == "transcript.text.done"]
+    assert done and deltas.strip() == done[0].strip() == spec_results["json"][short.id][1]["text"].strip()

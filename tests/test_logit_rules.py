@@ -115,3 +115,45 @@ def test_suppressed_tokens_are_never_the_argmax():
     logits[..., SUPPRESS[0]] = 100.0
     out = ours(False).apply(logits, Prefix.lengths_only(1, 4))
     assert (out.argmax(-1) != SUPPRESS[0]).all()
+
+
+def test_the_worker_rows_equal_sglang_omnis_timestamp_processor_step_by_step():
+    """The decode worker applies the engine's rules to each verify row (timestamp_rows.py) where a
+    stock step runs sglang-omni's WhisperTimestampLogitProcessor on the request's output_ids: the
+    two agree row for row, on prefixes that follow and that break the pairing."""
+    from types import SimpleNamespace
+
+    from sglang_omni.models.whisper_asr.timestamp_logit_processor import WhisperTimestampLogitProcessor
+
+    from sglang_omni_flash.integration.timestamp_rows import TimestampRows
+
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    params = {"segment_timestamps": True, "timestamp_begin_id": TS_BEGIN, "no_timestamps_token_id": NO_TS,
+              "eos_token_id": EOS, "max_initial_timestamp_index": MAX_INITIAL}
+    req = SimpleNamespace(custom_logit_processor=WhisperTimestampLogitProcessor.to_str(),
+                          sampling_params=SimpleNamespace(custom_params=params), output_ids=[])
+    rows = TimestampRows("cpu")
+    rules = rows.rules_for(req, V)
+    assert rules is not None
+    stock = WhisperTimestampLogitProcessor()
+    for trial in range(40):
+        emitted = random_prefix(rng, rng.randrange(1, 8))
+        candidates = random_prefix(rng, 5)
+        logits = torch.randn(6, V) * 3
+        logits[:, TS_BEGIN:] += torch.rand(6, 1) * 4
+        got = rows.verify(rules, logits.clone(), emitted, candidates)
+        for i in range(6):
+            req.output_ids = emitted + candidates[:i]
+            want = stock(logits[i: i + 1].clone(), [{**params, "__req__": req}])[0]
+            assert torch.equal(got[i], want), (trial, i)
+
+
+def test_the_draft_hint_proposes_the_repeat_of_a_closing_timestamp_and_nothing_else():
+    rules = ours(True).timestamps
+    logits = torch.randn(3, V)
+    rows = [[5, TS_BEGIN + 3], [TS_BEGIN, 5, TS_BEGIN + 3, TS_BEGIN + 3], [TS_BEGIN, 5, 6]]
+    prefix = Prefix.from_tokens(rows, TS_BEGIN, "cpu")
+    hinted = rules.favour_pair_repeat(logits.clone(), prefix)
+    assert hinted[0].argmax() == TS_BEGIN + 3  # one timestamp after text: the segment just closed
+    assert torch.equal(hinted[1:], logits[1:])  # a pair already, or text: untouched

@@ -267,6 +267,7 @@ class SpeculativeDecoder:
             picks, probs, shaped_rows = [], [], []
             for j in range(k):
                 row = self.rules.apply(proposal.logits[:, j], prefixes[-1])
+                self.rules.timestamps.favour_pair_repeat(row, prefixes[-1])
                 shaped_rows.append(row)
                 if sampling:
                     probs.append(probs_from_logits(row, self.temperature))

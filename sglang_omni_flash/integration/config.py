@@ -117,12 +117,25 @@ class WhisperFlashASRPipelineConfig(WhisperASRPipelineConfig):
 
     stages: list[StageConfig] = [_plugin_stage(stage) for stage in _STOCK_STAGES]
 
+    def model_post_init(self, __context: object = None) -> None:
+        super().model_post_init(__context)
+        _SERVED_MODEL_PATHS.append(str(self.model_path))
+
     def stage_factory_kwargs(self, stage_name: str) -> Mapping[str, object]:
         kwargs = dict(super().stage_factory_kwargs(stage_name) or {})
         stage = self.stage_named(stage_name)
         if isinstance(stage, WhisperFlashASRStageConfig):
             kwargs.update(stage.speculative_options())
         return kwargs
+
+
+# Model paths of the pipeline configs built in this process, latest last: the launcher builds the
+# one it serves, and its HTTP app needs that model's tokenizer (verbose_json segment tokens).
+_SERVED_MODEL_PATHS: list[str] = []
+
+
+def served_model_path() -> str | None:
+    return _SERVED_MODEL_PATHS[-1] if _SERVED_MODEL_PATHS else None
 
 
 EntryClass = WhisperFlashASRPipelineConfig

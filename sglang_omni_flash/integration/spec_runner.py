@@ -20,9 +20,11 @@ seen by the target) and done ``seq_lens += 1``. ``custom_decode_forward`` then, 
 
 Invariant between steps: ``kv_allocated_len == kv_committed_len`` (sglang asserts it on every
 release path when no spec algorithm is configured) and the drafter history of a request holds
-exactly its committed decoder positions. A step the worker cannot speculate (timestamps /
-custom logit processors, logprobs, penalties, no free slots, no request with a draft) is the
-stock decode, with forward hooks on the history layers keeping the drafter cache in step.
+exactly its committed decoder positions. Timestamped requests speculate under Whisper's
+timestamp rules, applied to every draft and verify row with that row's prefix
+(``timestamp_rows``). A step the worker cannot speculate (other custom logit processors,
+logprobs, penalties, no free slots, no request with a draft) is the stock decode, with forward
+hooks on the history layers keeping the drafter cache in step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from sglang_omni_flash.flash.accept import (
 )
 from sglang_omni_flash.flash.tree import DraftTree, build_tree, greedy_tree_accept
 from sglang_omni_flash.integration.metrics import SpecMetrics
+from sglang_omni_flash.integration.timestamp_rows import TimestampRows, is_timestamped
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
 
 logger = logging.getLogger("sglang_omni_flash.spec")
@@ -133,13 +136,14 @@ class _Plan:
     slots: Tensor | None = None  # [k] extra KV slots
     tree: DraftTree | None = None  # greedy draft tree: then k = its nodes, candidates = their tokens
     room: int = 0  # free req_to_token positions after the anchor (a tree's nodes sit there while verified)
+    rules: object | None = None  # the request's timestamp rules (ApplyTimestampRules), None without timestamps
 
 
 def _sampling_ok(req) -> bool:
     """Sampling knobs the worker reproduces exactly (else the step is the stock decode)."""
     sp = req.sampling_params
     return (
-        req.custom_logit_processor is None
+        (req.custom_logit_processor is None or is_timestamped(req))
         and not req.return_logprob
         and getattr(req, "grammar", None) is None
         and sp.repetition_penalty == 1.0
@@ -189,6 +193,7 @@ class WhisperFlashModelRunner(ModelRunner):
         self.k = min(int(num_draft_tokens), drafter.config.block_size)
         cfg = drafter.config
         self.max_positions = int(getattr(self.model.config, "max_target_positions", cfg.max_positions))
+        self.vocab_size = int(self.model.config.vocab_size)  # width of the draft and verify logits rows
         self.states: dict[str, DraftState] = {}
         self.step_tokens: dict[str, list[int]] = {}  # rid -> tokens emitted this step (for streaming)
         self.totals = SpecStats()
@@ -202,6 +207,7 @@ class WhisperFlashModelRunner(ModelRunner):
         self._acoustic_batch: tuple[tuple[DraftState, ...], list[tuple[Tensor, Tensor]]] | None = None
         p = next(drafter.parameters())
         self._device, self._dtype = p.device, p.dtype
+        self.timestamp_rows = TimestampRows(p.device)
 
     # ------------------------------------------------------------------ lifecycle of the state
 
@@ -336,7 +342,7 @@ class WhisperFlashModelRunner(ModelRunner):
                 k = 0
             room = width - int(enc_lens[i]) - L - 1
             plans.append(_Plan(index=i, row=int(pool_rows[i]), state=state, anchor=int(anchors[i]), prefix_len=L, k=k,
-                               room=room))
+                               room=room, rules=self.timestamp_rows.rules_for(req, self.vocab_size)))
         if not any(p.k for p in plans):
             return self._stock_step()
         if self.pacer is not None and not self.pacer.speculate(len(reqs)):
@@ -382,17 +388,24 @@ class WhisperFlashModelRunner(ModelRunner):
             if bias is not None:
                 logits = logits + bias.to(logits.device, logits.dtype)
             temperature = _temperature(req)
-            if temperature == 0 and self.tree_nodes > 0 and p.room > 0:
+            if temperature == 0 and self.tree_nodes > 0 and p.room > 0 and p.rules is None:
                 # a greedy draft tree: its nodes are this step's candidates (slots, verify rows)
                 p.tree = build_tree(torch.softmax(logits, dim=-1)[None], [p.k], min(self.tree_nodes, p.room),
                                     min_path_prob=self.tree_min_prob)
                 p.candidates = p.tree.token_lists[0][: int(p.tree.valid.sum())]
                 p.k = len(p.candidates)
                 continue
+            if p.rules is not None:  # a chain under the timestamp rules, candidate by candidate
+                pick = (lambda row: sample_tokens(probs_from_logits(row, temperature))) if temperature > 0 \
+                    else (lambda row: row.argmax(-1))
+                cands, logits = self.timestamp_rows.draft(p.rules, logits, req.output_ids, pick)
             if temperature > 0:
                 p.draft_probs = probs_from_logits(logits, temperature)
-                cands = sample_tokens(p.draft_probs)
+                if p.rules is None:
+                    cands = sample_tokens(p.draft_probs)
                 conf = p.draft_probs.gather(1, cands[:, None])[:, 0]
+            elif p.rules is not None:
+                conf = torch.softmax(logits, dim=-1).gather(1, cands[:, None])[:, 0]
             else:
                 conf, cands = torch.softmax(logits, dim=-1).max(dim=-1)
             if self.min_draft_prob > 0:
@@ -483,6 +496,8 @@ class WhisperFlashModelRunner(ModelRunner):
             bias = self._bias(schedule_batch, p.index)
             if bias is not None:
                 logits = logits + bias.to(logits.device, logits.dtype)
+            if p.rules is not None:  # as sglang's sampler: the bias, then the timestamp processor
+                self.timestamp_rows.verify(p.rules, logits, req.output_ids, p.candidates)
             if p.tree is not None:  # the walk through the tree (its depth was bounded by the budget when built)
                 (a,), (path,), (nxt,), _ = greedy_tree_accept(p.tree, [logits.argmax(-1).tolist()], [p.k], eos_id=-1)
             else:

@@ -1,0 +1,86 @@
+"""Whisper's timestamp rules on the decode worker's draft and verify rows.
+
+A timestamped request (srt, vtt, verbose_json) reaches the stage with sglang-omni's
+``WhisperTimestampLogitProcessor``, which sglang's sampler applies to one row per request: the
+logits after the request's ``logit_bias``, with the request's ``output_ids`` as the prefix. A
+speculative step produces k+1 logits rows per request whose prefixes are ``output_ids`` plus
+the first i candidates; it applies the *engine's* rules (``engine.logit_rules``, the same code
+the standalone engine speculates with, not a copy) to each row with that row's prefix, after the
+same bias. The rules are openai-whisper's / transformers' (tests/test_logit_rules.py checks them
+against transformers), and sglang-omni's processor implements the same ones, so row 0 of a
+verify pass equals the stock step's sampled distribution and later rows equal what the stock
+steps would have seen after accepting those candidates.
+
+Candidates are drafted under the rules too (a chain: row j's prefix ends with candidate j-1), so
+the drafter never proposes a token the rules forbid, and with the engine's draft hint
+(``favour_pair_repeat``: after a segment's closing timestamp, propose the same timestamp to open
+the next one). Draft trees stay text-only: a tree node's
+rules depend on its own path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from sglang_omni_flash.engine.logit_rules import ApplyTimestampRules, Prefix
+
+
+@functools.lru_cache(maxsize=1)
+def _processor_id() -> str:
+    from sglang_omni.models.whisper_asr.timestamp_logit_processor import WhisperTimestampLogitProcessor
+
+    return WhisperTimestampLogitProcessor.to_str()
+
+
+def is_timestamped(req) -> bool:
+    """Whether the request carries sglang-omni's Whisper timestamp processor, with its parameters."""
+    if req.custom_logit_processor != _processor_id():
+        return False
+    params = req.sampling_params.custom_params or {}
+    return bool(params.get("segment_timestamps")) and \
+        int(params["timestamp_begin_id"]) == int(params["no_timestamps_token_id"]) + 1
+
+
+class TimestampRows:
+    """The timestamp rules of the requests served, one ``ApplyTimestampRules`` per configuration."""
+
+    def __init__(self, device):
+        self.device = device
+        self._rules: dict[tuple, ApplyTimestampRules] = {}
+
+    def rules_for(self, req, vocab_size: int) -> ApplyTimestampRules | None:
+        if not is_timestamped(req):
+            return None
+        p = req.sampling_params.custom_params
+        initial = p.get("max_initial_timestamp_index")
+        key = (vocab_size, int(p["eos_token_id"]), int(p["no_timestamps_token_id"]),
+               None if initial is None else int(initial))
+        if key not in self._rules:
+            self._rules[key] = ApplyTimestampRules(*key, device=self.device)
+        return self._rules[key]
+
+    def draft(self, rules: ApplyTimestampRules, logits: Tensor, generated: list[int], pick) -> tuple[Tensor, Tensor]:
+        """Chain candidates under the rules: (candidates [k], shaped logits [k, V]).
+
+        ``pick(row [1, V]) -> token [1]`` chooses each candidate (argmax, or a sample at T > 0);
+        logits [k, V] are modified in place."""
+        prefix = Prefix.from_tokens([generated], rules.timestamp_begin, self.device)
+        picks = []
+        for j in range(logits.shape[0]):
+            row = logits[j: j + 1]
+            rules.apply(row, prefix)
+            rules.favour_pair_repeat(row, prefix)
+            picks.append(pick(row))
+            prefix = prefix.extend(picks[-1], rules.timestamp_begin)
+        return torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=self.device), logits
+
+    def verify(self, rules: ApplyTimestampRules, logits: Tensor, generated: list[int], candidates: list[int]) -> Tensor:
+        """Apply the rules in place to verify rows [k+1, V]: row i's prefix is generated + candidates[:i]."""
+        prefixes = [Prefix.from_tokens([generated], rules.timestamp_begin, self.device)]
+        for token in candidates:
+            prefixes.append(prefixes[-1].extend(torch.tensor([token], device=self.device), rules.timestamp_begin))
+        rules.apply(logits, Prefix.interleave(prefixes))
+        return logits
