@@ -143,3 +143,20 @@ def test_packed_linear_int8_follows_writes_and_switches_back():
     with torch.inference_mode():
         assert torch.equal(m(x), frozen_copy(m)(x))
         assert frozen_copy(m).int8 is None
+
+
+@pytest.mark.parametrize("shape", [(512, 2048), (1536, 512), (51865, 512)])  # base's fc2, fused qkv, head
+def test_a_bf16_row_has_the_same_bits_alone_and_among_others(shape):
+    """A plain step is one row, a verify several: a row's bf16 logits must not depend on the row count.
+    oneDNN's one-row bf16 kernel gave other bits than two or more rows on an AVX512-BF16 CPU (fc2)."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(*shape, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(shape[0], generator=g).bfloat16()
+    lin = FrozenLinear(weight, bias)
+    x = torch.randn(41, shape[1], generator=g).bfloat16()
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[r: r + 1]) for r in range(41)])
+        assert torch.equal(lin(x[3][None, None])[0], alone[3: 4])  # [1, 1, d], as the engine's step
+        for rows in (2, 4, 9, 17, 33, 41):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), rows
+        torch.testing.assert_close(alone.float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2)

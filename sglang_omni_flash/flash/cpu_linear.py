@@ -28,7 +28,8 @@ Memory: the packed copies sit beside the model's own weights (base: ~84 MB of de
 model's modules.
 
 Inputs that need gradients (the drafter's training through the frozen head), any device but the
-CPU, and any dtype but float32 use F.linear.
+CPU, and any dtype but float32 use F.linear; on a CPU a single reduced-precision row goes through
+F.linear as a pair of rows, so that its bits do not depend on the row count (`_one_row_as_two`).
 
 The drafter may go further (`int8=True`, `WhisperFlashDrafter.set_cpu_int8`): its weights as int8
 with one scale per output row, its input quantized per call (fbgemm's dynamic linear), a quarter of
@@ -96,8 +97,14 @@ class FrozenLinear:
         return cls(module.weight, getattr(module, "bias", None), single_row, int8)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, self.bias)  # (gradients flow to x only: the weight is frozen)
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype != torch.float32:
+            if x.numel() == x.shape[-1]:
+                return self._one_row_as_two(x)
+            return F.linear(x, self.weight, self.bias)
         if self.int8 is not None:
             out = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), self.int8, True)
             return out.view(*x.shape[:-1], self.weight.shape[0])
@@ -109,6 +116,19 @@ class FrozenLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+    def _one_row_as_two(self, x: Tensor) -> Tensor:
+        """One reduced-precision row, computed as a pair (the row twice), the first kept.
+
+        oneDNN serves a bf16 product of ONE row by another kernel than two or more rows (a gemv,
+        blocked differently along K), and its last bits differ: measured on an AVX512-BF16 CPU,
+        base's fc2 (K = 2048) gave a row other bits alone than among 4..48 rows, for about one row
+        in eight, while among any 2..72 rows a row's bits never depended on the others. A plain
+        step is one row and a verify is several, so in bf16 that turned into an argmax flip
+        between greedy and Whisper-Flash. Two rows cost what one does (the step is memory-bound)."""
+        pair = x.reshape(1, -1).repeat(2, 1)
+        return F.linear(pair, self.weight, self.bias)[:1].view(*x.shape[:-1], self.weight.shape[0])
 
 
 def tensor_state(t: Tensor | None) -> tuple | None:
