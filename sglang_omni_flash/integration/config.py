@@ -119,7 +119,8 @@ class WhisperFlashASRPipelineConfig(WhisperASRPipelineConfig):
 
     def model_post_init(self, __context: object = None) -> None:
         super().model_post_init(__context)
-        _SERVED_MODEL_PATHS.append(str(self.model_path))
+        global _served_model_path
+        _served_model_path = str(self.model_path)
 
     def stage_factory_kwargs(self, stage_name: str) -> Mapping[str, object]:
         kwargs = dict(super().stage_factory_kwargs(stage_name) or {})
@@ -129,13 +130,13 @@ class WhisperFlashASRPipelineConfig(WhisperASRPipelineConfig):
         return kwargs
 
 
-# Model paths of the pipeline configs built in this process, latest last: the launcher builds the
-# one it serves, and its HTTP app needs that model's tokenizer (verbose_json segment tokens).
-_SERVED_MODEL_PATHS: list[str] = []
+# The model path of the latest pipeline config built in this process: the launcher builds the one
+# it serves, and its HTTP app needs that model's tokenizer (verbose_json segment tokens).
+_served_model_path: str | None = None
 
 
 def served_model_path() -> str | None:
-    return _SERVED_MODEL_PATHS[-1] if _SERVED_MODEL_PATHS else None
+    return _served_model_path
 
 
 EntryClass = WhisperFlashASRPipelineConfig
