@@ -97,14 +97,10 @@ class FrozenLinear:
         return cls(module.weight, getattr(module, "bias", None), single_row, int8)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, self.bias)  # (gradients flow to x only: the weight is frozen)
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32:
-            if x.numel() == x.shape[-1]:
-                return self._one_row_as_two(x)
-            return F.linear(x, self.weight, self.bias)
+            return self._one_row_as_two(x) if x.numel() == x.shape[-1] else F.linear(x, self.weight, self.bias)
         if self.int8 is not None:
             out = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), self.int8, True)
             return out.view(*x.shape[:-1], self.weight.shape[0])
@@ -116,7 +112,6 @@ class FrozenLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
 
     def _one_row_as_two(self, x: Tensor) -> Tensor:
         """One reduced-precision row, computed as a pair (the row twice), the first kept.

@@ -399,15 +399,12 @@ class WhisperFlashModelRunner(ModelRunner):
                 pick = (lambda row: sample_tokens(probs_from_logits(row, temperature))) if temperature > 0 \
                     else (lambda row: row.argmax(-1))
                 cands, logits = self.timestamp_rows.draft(p.rules, logits, req.output_ids, pick)
+            probs = probs_from_logits(logits, temperature) if temperature > 0 else torch.softmax(logits, dim=-1)
             if temperature > 0:
-                p.draft_probs = probs_from_logits(logits, temperature)
-                if p.rules is None:
-                    cands = sample_tokens(p.draft_probs)
-                conf = p.draft_probs.gather(1, cands[:, None])[:, 0]
-            elif p.rules is not None:
-                conf = torch.softmax(logits, dim=-1).gather(1, cands[:, None])[:, 0]
-            else:
-                conf, cands = torch.softmax(logits, dim=-1).max(dim=-1)
+                p.draft_probs = probs
+            if p.rules is None:
+                cands = sample_tokens(probs) if temperature > 0 else probs.argmax(dim=-1)
+            conf = probs.gather(1, cands[:, None])[:, 0]
             if self.min_draft_prob > 0:
                 p.k = int(confident_length(conf, self.min_draft_prob))
             p.candidates = cands[: p.k].tolist()
