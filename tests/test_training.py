@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from sglang_omni_flash.training import packing
-from sglang_omni_flash.training.extract import ExtractOptions, TeacherExtractor, load_teacher, read_index
+from sglang_omni_flash.training.extract import (ExtractOptions, TeacherExtractor, load_teacher, read_index,
+                                                recompute_encoders)
 from sglang_omni_flash.training.sources import from_manifest
 from sglang_omni_flash.training.train import Trainer, TrainOptions, lr_at
 
@@ -34,6 +36,7 @@ def teacher(extractor, clips, tmp_path_factory):
 def test_extraction_reproduces_engine_greedy(extractor, teacher, clips):
     index, utts = load_teacher(teacher)
     assert index["totals"]["clips"] == len(clips) and len(utts) == index["totals"]["kept"] >= 5
+    by_id_clip = {c.id: c for c in clips}
     engine = extractor.engine
     plain = engine.decode(engine.log_mel([c.load() for c in clips]), speculative=False)
     by_id = {c.id: r for c, r in zip(clips, plain)}
@@ -44,7 +47,27 @@ def test_extraction_reproduces_engine_greedy(extractor, teacher, clips):
         assert utt.tokens[: utt.prompt_len].tolist() == greedy.prompt
         assert int(utt.tokens[-1]) == eos
         assert utt.history.shape == (utt.tokens.numel(), len(index["history_layers"]), engine.model.config.d_model)
-        assert utt.history.dtype == torch.float16 and utt.encoder.dtype == torch.float16
+        assert utt.history.dtype == torch.float16
+        assert utt.encoder is None and utt.audio == by_id_clip[utt.id].path  # recomputed in training, not stored
+        # the target's top-k: sorted, a distribution's head, and led by the greedy token where no rule intervened
+        assert utt.top_ids.shape == utt.top_logprob.shape == (utt.tokens.numel(), index["teacher_top"])
+        assert bool((utt.top_logprob[:, :-1] >= utt.top_logprob[:, 1:]).all())
+        assert float(torch.logsumexp(utt.top_logprob.float(), -1).max()) <= 1e-2
+        leads = utt.top_ids[utt.prompt_len - 1 : -1, 0] == utt.tokens[utt.prompt_len :]
+        assert float(leads.float().mean()) >= 0.9, leads
+
+
+def test_training_recomputes_the_encoder_output_extraction_did_not_store(extractor, teacher, clips, tmp_path):
+    stored_extractor = TeacherExtractor(dataclasses.replace(extractor.options, store_encoder=True))
+    stored_extractor.extract(clips[:3], tmp_path / "stored", progress=False)
+    _, stored = load_teacher(tmp_path / "stored")
+    index, recomputed = load_teacher(teacher)
+    recompute_encoders(recomputed, index)
+    by_id = {u.id: u for u in recomputed}
+    for utt in stored:
+        assert utt.encoder is not None and utt.encoder.dtype == torch.float16
+        torch.testing.assert_close(by_id[utt.id].encoder, utt.encoder, atol=2e-3, rtol=1e-3)
+    assert (tmp_path / "stored" / "shard-00000.safetensors").stat().st_size > 4 * (teacher / "shard-00000.safetensors").stat().st_size
 
 
 @torch.inference_mode()
@@ -52,6 +75,7 @@ def test_extraction_history_matches_the_engine_target(extractor, teacher, clips)
     """History states equal what the target computes step by step (fp16 storage tolerance)."""
     _, utts = load_teacher(teacher)
     utt = utts[0]
+    assert utt.id == clips[0].id
     tg = extractor.history_target
     enc = extractor.engine.encode(extractor.engine.log_mel([clips[0].load()]))
     cache, cross = tg.new_cache(1, 16), tg.new_cross(1, enc.shape[1])
@@ -76,12 +100,15 @@ def test_extraction_resumes_and_refuses_other_settings(extractor, teacher, clips
 def test_packed_blocks_equal_unpacked_reference(extractor, teacher):
     from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
 
-    _, utts = load_teacher(teacher)
+    index, utts = load_teacher(teacher)
+    recompute_encoders(utts, index)
     model = extractor.engine.model
     for u in utts:
         u.history = u.history.float()
     vocab = torch.tensor(sorted(set(range(2000)) | {t for u in utts for t in u.tokens.tolist()}))
-    for use_audio, use_history, draft_vocab in ((True, True, None), (True, True, vocab), (False, True, None), (True, False, vocab)):
+    cases = [(True, True, None, 0.0), (True, True, vocab, 0.0), (False, True, None, 0.0), (True, False, vocab, 0.0),
+             (True, True, None, 0.5), (True, True, vocab, 0.5), (True, True, vocab, 1.0)]  # + the tree-aware loss
+    for use_audio, use_history, draft_vocab, soft in cases:
         torch.manual_seed(0)
         drafter = WhisperFlashDrafter.from_target(
             model, use_audio=use_audio, use_history=use_history, draft_vocab=draft_vocab
@@ -95,11 +122,14 @@ def test_packed_blocks_equal_unpacked_reference(extractor, teacher):
         weights = packing.position_weights(8)
         with torch.no_grad():
             acoustic = drafter.acoustic_kv(torch.stack([u.encoder for u in part]).float()) if use_audio else None
-            loss, n, _, _ = packing.packed_loss(drafter, batch, acoustic, weights, index)
+            loss, n, _, _ = packing.packed_loss(drafter, batch, acoustic, weights, index, soft)
             per_utt = [drafter.acoustic_kv(u.encoder[None].float()) if use_audio else None for u in part]
-            reference = packing.unpacked_loss(drafter, part, anchors, per_utt, weights, index)
+            reference = packing.unpacked_loss(drafter, part, anchors, per_utt, weights, index, soft)
+            if soft:  # the soft part is a loss of its own, not the hard one again
+                hard, _, _, _ = packing.packed_loss(drafter, batch, acoustic, weights, index, 0.0)
+                assert abs(float(hard) - float(loss)) > 1e-3
         assert int(n) > 0
-        assert abs(float(loss) - float(reference)) < 1e-5, (use_audio, use_history, float(loss), float(reference))
+        assert abs(float(loss) - float(reference)) < 1e-5, (use_audio, use_history, soft, float(loss), float(reference))
 
 
 def test_pack_masks_history_before_anchor_and_own_block_only():
@@ -191,9 +221,10 @@ def test_training_lowers_loss_and_raises_acceptance(teacher, tiny_en_model_dir, 
     assert torch.equal(drafter.draft_vocab.cpu(), trainer.drafter.draft_vocab.cpu())
 
 
-@pytest.mark.parametrize("onpolicy", [0.0, 0.75])
-def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model_dir, tmp_path, onpolicy):
-    opts = dict(model=str(tiny_en_model_dir), steps=8, eval_every=4, checkpoint_every=4, onpolicy=onpolicy)
+@pytest.mark.parametrize("onpolicy,soft_weight", [(0.0, 0.0), (0.75, 0.0), (0.0, 0.5)])
+def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model_dir, tmp_path, onpolicy, soft_weight):
+    opts = dict(model=str(tiny_en_model_dir), steps=8, eval_every=4, checkpoint_every=4, onpolicy=onpolicy,
+                soft_weight=soft_weight)
     straight = Trainer(_options(teacher, tmp_path / "straight", **opts), progress=False)
     straight.run()
     interrupted = Trainer(_options(teacher, tmp_path / "resumed", **opts), progress=False)

@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from sglang_omni_flash.engine.cli import add_dtype_arg
 
     add_dtype_arg(ex)
+    ex.add_argument("--store-encoder", action="store_true",
+                    help="also store each clip's encoder output (1500 x d fp16; needed only for clips without an "
+                    "audio file, such as a datasets folder; otherwise training recomputes it)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=_extract)
 
@@ -61,7 +64,8 @@ def _extract(args) -> int:
     clips = _clips(args)
     extractor = TeacherExtractor(
         ExtractOptions(model=args.model, shard_size=args.shard_size, batch_size=args.batch_size,
-                       language=args.language, threads=args.threads, dtype=args.dtype)
+                       language=args.language, threads=args.threads, dtype=args.dtype,
+                       store_encoder=args.store_encoder)
     )
     from sglang_omni_flash.engine.cli import engine_line
 

@@ -1,8 +1,12 @@
 """Teacher extraction: the frozen target's own greedy transcripts and its history states, on disk.
 
-For every clip: log-mel -> encoder output E(x) (what the drafter's acoustic attention reads), the
-target's greedy continuation with the engine's prompt and logit rules, and the residual stream after
-the history blocks at every position of prompt + continuation, from ONE teacher-forced pass.
+For every clip: the target's greedy continuation with the engine's prompt and logit rules, and from
+ONE teacher-forced pass over prompt + continuation the residual stream after the history blocks and the
+target's top-k next-token log-probabilities at every position (soft labels for a tree-aware loss).
+The encoder output E(x) (what the drafter's acoustic attention reads) is 1500 x d per clip, the largest
+thing by far and cheap to recompute, so it is stored only with `store_encoder` (clips without an audio
+file, e.g. a `datasets` folder, need it); otherwise each record keeps its audio path and training runs
+the encoder again, at the extraction's dtype.
 
 The greedy continuation is computed exactly but cheaply: the engine's speculative loop runs with a
 `ReferenceLookupProposer` that proposes the clip's reference text (re-synchronised on the last emitted
@@ -12,10 +16,11 @@ and most clips take a handful of target calls instead of one per token.
 Layout of the output folder (fp16 tensors, safetensors):
 
     teacher.json             what was extracted with what; the list of finished shards
-    shard-00000.safetensors  encoder [U, T_enc, d], history [sum L, n_hist, d], tokens [sum L] int32,
-                             offsets [U + 1] int64 (utterance u owns rows offsets[u]:offsets[u+1]),
-                             prompt_len [U] int32
-    shard-00000.json         per utterance: id, speaker, duration, reference and greedy text
+    shard-00000.safetensors  history [sum L, n_hist, d], tokens [sum L] int32, offsets [U + 1] int64
+                             (utterance u owns rows offsets[u]:offsets[u+1]), prompt_len [U] int32,
+                             top_ids [sum L, k] int32 and top_logprob [sum L, k] (row p: the target's
+                             distribution of the token at p + 1), encoder [U, T_enc, d] if stored
+    shard-00000.json         per utterance: id, speaker, duration, audio path, reference and greedy text
 
 Shard k always holds clips [k * shard_size, (k + 1) * shard_size) of the input list minus the excluded
 ones (no EOS within the token budget, or fewer than two generated tokens), so an interrupted run
@@ -39,7 +44,7 @@ from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.training.sources import Clip
 
 INDEX = "teacher.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class ExtractOptions:
     language: str | None = None  # as the engine: None = detect per clip (multilingual models)
     threads: int | None = None
     dtype: str = "auto"  # the engine's rule (hardware.choose_dtype): bfloat16 on an AMX CPU, else float32
+    store_encoder: bool = False  # False: training recomputes E(x) from the audio file (1.5 MB per clip saved, base)
+    teacher_top: int = 8  # k of the stored top-k next-token log-probabilities (0: none)
 
 
 # ------------------------------------------------------------------------------ proposer
@@ -147,6 +154,8 @@ class TeacherExtractor:
             "eos": self.engine.special.eos,
             "language": self.options.language,
             "shard_size": self.options.shard_size,
+            "store_encoder": self.options.store_encoder,
+            "teacher_top": self.options.teacher_top,
             "n_clips": len(clips),
             "clips_digest": clip_list_digest(clips),
         }
@@ -165,11 +174,12 @@ class TeacherExtractor:
         results = eng.decode(encoder_out=encoder_out, speculative=True, proposer=proposer)
 
         sequences = [r.prompt + r.tokens for r in results]
-        states = self._history(encoder_out, sequences)
-        return encoder_out, results, states, durations
+        states, tops = self._history(encoder_out, sequences)
+        return encoder_out, results, states, tops, durations
 
-    def _history(self, encoder_out: torch.Tensor, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """One teacher-forced pass over each full sequence -> history states [L, n_hist, d] per clip."""
+    def _history(self, encoder_out: torch.Tensor, sequences: list[list[int]]):
+        """One teacher-forced pass over each full sequence -> per clip, history states [L, n_hist, d] and
+        the top-k (log-prob [L, k], id [L, k]) of the target's next-token distribution (None if k = 0)."""
         tg = self.history_target
         n, longest = len(sequences), max(len(s) for s in sequences)
         tokens = torch.zeros(n, longest, dtype=torch.long, device=tg.device)
@@ -179,14 +189,26 @@ class TeacherExtractor:
         cache = tg.new_cache(n, self.slack)
         cross = tg.new_cross(n, encoder_out.shape[1])
         tg.fill_cross(encoder_out.to(tg.dtype), cross)
-        _, history = tg.forward(tokens, positions, cache, cross, kv_len=longest, masked=True)
-        return [history[i, : len(s)] for i, s in enumerate(sequences)]
+        logits, history = tg.forward(tokens, positions, cache, cross, kv_len=longest, masked=True)
+        k = self.options.teacher_top
+        tops = [None] * n
+        if k:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            tops = [(top.values[i, : len(s)], top.indices[i, : len(s)]) for i, s in enumerate(sequences)]
+        return [history[i, : len(s)] for i, s in enumerate(sequences)], tops
 
     # -- everything ---------------------------------------------------------------------------
     def extract(self, clips: list[Clip], out_dir: Path, progress: bool = True) -> dict:
         from safetensors.torch import save_file
 
         out_dir = Path(out_dir)
+        if not self.options.store_encoder:
+            pathless = [c.id for c in clips if not c.path]
+            if pathless:
+                raise UserError(
+                    f"{len(pathless)} clips (e.g. {pathless[0]}) have no audio file to re-read during training: "
+                    "extract them with --store-encoder"
+                )
         out_dir.mkdir(parents=True, exist_ok=True)
         header = self.describe(clips)
         index = read_index(out_dir)
@@ -231,13 +253,14 @@ class TeacherExtractor:
         eos = eng.special.eos
         bs = self.options.batch_size
         encoders, histories, token_rows, prompt_lens, records = [], [], [], [], []
+        top_logprobs, top_ids = [], []
         for start in range(0, len(chunk), bs):
             part = chunk[start : start + bs]
-            encoder_out, results, states, durations = self._batch(part)
+            encoder_out, results, states, tops, durations = self._batch(part)
             for i, (clip, res) in enumerate(zip(part, results)):
                 record = {
                     "id": clip.id, "speaker": clip.speaker, "duration": round(durations[i], 3),
-                    "reference": clip.text, "greedy": res.text, "n_generated": len(res.tokens),
+                    "audio": clip.path, "reference": clip.text, "greedy": res.text, "n_generated": len(res.tokens),
                     "target_calls": res.target_calls,
                 }
                 reason = None
@@ -248,21 +271,30 @@ class TeacherExtractor:
                 if reason:
                     record["excluded"] = reason
                 else:
-                    encoders.append(encoder_out[i].to(torch.float16).cpu())
+                    if self.options.store_encoder:
+                        encoders.append(encoder_out[i].to(torch.float16).cpu())
                     histories.append(states[i].to(torch.float16).cpu())
+                    if tops[i] is not None:
+                        top_logprobs.append(tops[i][0].to(torch.float16).cpu())
+                        top_ids.append(tops[i][1].to(torch.int32).cpu())
                     token_rows.append(torch.tensor(res.prompt + res.tokens, dtype=torch.int32))
                     prompt_lens.append(len(res.prompt))
                 records.append(record)
             bar.update(len(part))
         lengths = torch.tensor([0] + [len(t) for t in token_rows], dtype=torch.int64)
         d = eng.model.config.d_model
+        k = self.options.teacher_top
         tensors = {
-            "encoder": torch.stack(encoders) if encoders else torch.zeros(0, 1, d, dtype=torch.float16),
             "history": torch.cat(histories) if histories else torch.zeros(0, len(self.history_layers), d, dtype=torch.float16),
             "tokens": torch.cat(token_rows) if token_rows else torch.zeros(0, dtype=torch.int32),
             "offsets": lengths.cumsum(0),
             "prompt_len": torch.tensor(prompt_lens, dtype=torch.int32),
         }
+        if self.options.store_encoder:
+            tensors["encoder"] = torch.stack(encoders) if encoders else torch.zeros(0, 1, d, dtype=torch.float16)
+        if k:
+            tensors["top_logprob"] = torch.cat(top_logprobs) if top_logprobs else torch.zeros(0, k, dtype=torch.float16)
+            tensors["top_ids"] = torch.cat(top_ids) if top_ids else torch.zeros(0, k, dtype=torch.int32)
         return {k: v.contiguous() for k, v in tensors.items()}, records
 
 
@@ -281,7 +313,10 @@ class TeacherUtterance:
     tokens: torch.Tensor  # [L] long: prompt + greedy continuation (EOS last)
     prompt_len: int
     history: torch.Tensor  # [L, n_hist, d] fp16: target states at each position
-    encoder: torch.Tensor  # [T_enc, d] fp16
+    encoder: torch.Tensor | None  # [T_enc, d] fp16, or None until training recomputes it from `audio`
+    audio: str = ""  # the clip's audio file
+    top_logprob: torch.Tensor | None = None  # [L, k]: row p = the target's top-k log-probs for token p + 1
+    top_ids: torch.Tensor | None = None  # [L, k] their token ids
 
     @property
     def n_generated(self) -> int:
@@ -301,12 +336,15 @@ def load_teacher(folder: str | Path, progress: bool = False) -> tuple[dict, list
         tensors = load_file(str(folder / f"{shard['name']}.safetensors"))
         records = [r for r in json.loads((folder / f"{shard['name']}.json").read_text()) if not r.get("excluded")]
         off = tensors["offsets"].tolist()
+        tops = "top_ids" in tensors
         for u, rec in enumerate(records):
             a, b = off[u], off[u + 1]
             out.append(
                 TeacherUtterance(
                     rec["id"], rec["speaker"], rec["duration"], tensors["tokens"][a:b].long(),
-                    int(tensors["prompt_len"][u]), tensors["history"][a:b], tensors["encoder"][u],
+                    int(tensors["prompt_len"][u]), tensors["history"][a:b],
+                    tensors["encoder"][u] if "encoder" in tensors else None, rec.get("audio", ""),
+                    tensors["top_logprob"][a:b] if tops else None, tensors["top_ids"][a:b].long() if tops else None,
                 )
             )
     return index, out
@@ -314,3 +352,31 @@ def load_teacher(folder: str | Path, progress: bool = False) -> tuple[dict, list
 
 def options_dict(options: ExtractOptions) -> dict:
     return asdict(options)
+
+
+@torch.inference_mode()
+def recompute_encoders(utterances: list[TeacherUtterance], index: dict, batch_size: int = 8,
+                       progress: bool = False) -> None:
+    """Fill `encoder` of every utterance extracted without it: log-mel + the target's encoder on its audio
+    file, with the engine and dtype the extraction used (stored fp16, as a stored one would be)."""
+    todo = [u for u in utterances if u.encoder is None]
+    if not todo:
+        return
+    from sglang_omni_flash.engine.audio import load_audio
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+
+    missing = [u.audio or u.id for u in todo if not u.audio or not Path(u.audio).is_file()]
+    if missing:
+        raise UserError(f"the audio of {len(missing)} teacher utterances is gone (e.g. {missing[0]}): "
+                        "restore it or extract again")
+    engine = WhisperFlashEngine(EngineOptions(model=index["model"], speculative=False, dtype=index["dtype"],
+                                              device="cpu" if not torch.cuda.is_available() else "auto"))
+    bar = tqdm(total=len(todo), desc="encode", unit="clip", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    with bar:
+        for start in range(0, len(todo), batch_size):
+            part = todo[start : start + batch_size]
+            encoded = engine.encode(engine.log_mel([load_audio(u.audio) for u in part]))
+            for u, e in zip(part, encoded):
+                u.encoder = e.to(torch.float16).cpu().clone()
+            bar.update(len(part))

@@ -13,6 +13,11 @@ b's rows attend to history positions < t_b (strictly before its own anchor) and 
 
 Loss (paper eq. 3):  L = - sum_{b,j} v_bj w_j log q(S[t_b + j]) / sum_{b,j} v_bj w_j,  w_j = exp(-(j-1)/4).
 
+Tree-aware loss (optional, `soft_weight` = lambda): (1 - lambda) * eq. 3 + lambda * the same weighted sum
+of cross-entropies against the target's own next-token distribution at S[t_b + j] (its top-k, stored by
+extraction, renormalised over the ids the draft vocabulary holds). A draft tree verifies the drafter's
+second and third choices too; distillation teaches them where the target itself hesitates.
+
 Rollout: greedy verification emits exactly the teacher's tokens, so the anchors real Whisper-Flash
 decoding starts its rounds from follow from the drafter's accepted prefix at every anchor alone:
 t_1 = prompt_len (the prefill emitted S[prompt_len]), t_{r+1} = t_r + a(t_r) + 1 (a accepted, one
@@ -61,6 +66,8 @@ class PackedBatch:
     history_pos: Tensor  # [U, Hmax]
     attn_mask: Tensor  # [U, 1, A*(K+1), Hmax + A*(K+1)] True = attend
     anchors: list[list[int]]  # per utterance, its anchor positions
+    soft_ids: Tensor | None = None  # [U, A, K, k] the target's top-k ids for each label (None: not extracted)
+    soft_logprob: Tensor | None = None  # [U, A, K, k] their log-probabilities
 
 
 def pack(utterances, anchors: list[list[int]], block_size: int, use_history: bool) -> PackedBatch:
@@ -77,6 +84,12 @@ def pack(utterances, anchors: list[list[int]], block_size: int, use_history: boo
     block_id = torch.full((U, Q), -1, dtype=torch.long)
     limit = torch.zeros(U, Q, dtype=torch.long)  # history entries < limit are visible to the row
     first = utterances[0]
+    top = getattr(first, "top_ids", None)
+    soft_ids = soft_logprob = None
+    if top is not None:
+        k = top.shape[-1]
+        soft_ids = torch.zeros(U, A, K, k, dtype=torch.long)
+        soft_logprob = torch.full((U, A, K, k), -math.inf)
     history = None
     if use_history:
         history = torch.zeros(U, h_max, *first.history.shape[1:], dtype=first.history.dtype)
@@ -96,6 +109,9 @@ def pack(utterances, anchors: list[list[int]], block_size: int, use_history: boo
             limit[u, rows] = t
             n_lab = min(K, L - 1 - t)
             labels[u, b, :n_lab] = toks[t + 1 : t + 1 + n_lab]
+            if soft_ids is not None:  # row p of the top-k is the distribution of the token at p + 1
+                soft_ids[u, b, :n_lab] = utt.top_ids[t : t + n_lab]
+                soft_logprob[u, b, :n_lab] = utt.top_logprob[t : t + n_lab].float()
         for b in range(len(picks), A):  # padded blocks: see only themselves, no labels
             block_id[u, b * (K + 1) : (b + 1) * (K + 1)] = b
     history_pos = torch.arange(h_max).expand(U, h_max)
@@ -105,7 +121,8 @@ def pack(utterances, anchors: list[list[int]], block_size: int, use_history: boo
         mask = torch.cat((seen, same_block), dim=2)
     else:
         mask = same_block
-    return PackedBatch(block_tokens, block_pos, is_anchor, labels, history, history_pos, mask[:, None], anchors)
+    return PackedBatch(block_tokens, block_pos, is_anchor, labels, history, history_pos, mask[:, None], anchors,
+                       soft_ids, soft_logprob)
 
 
 def packed_states(drafter: WhisperFlashDrafter, batch: PackedBatch, acoustic_kv) -> Tensor:
@@ -145,6 +162,18 @@ def weighted_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tens
     return (ce * w).sum() / w.sum().clamp(min=1e-12), v.sum()
 
 
+def soft_weighted_loss(logits: Tensor, soft_ids: Tensor, soft_logprob: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
+    """logits [N, K, V'], soft_ids [N, K, k] already mapped to V' columns (-1 = not in the draft vocabulary),
+    soft_logprob [N, K, k], labels [N, K] (-100 = no label): the eq. 3 weighting of the cross-entropy against
+    the target's renormalised top-k distribution."""
+    p = torch.where(soft_ids >= 0, soft_logprob.exp(), torch.zeros_like(soft_logprob))
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, soft_ids.clamp(min=0))
+    ce = -(p * logq).sum(-1)  # [N, K]
+    w = weights.to(logits.device)[None, :] * (labels >= 0)
+    return (ce * w).sum() / w.sum().clamp(min=1e-12)
+
+
 def vocab_index(draft_vocab: Tensor | None, vocab_size: int) -> Tensor | None:
     """token id -> column of the draft vocabulary (-1 if absent); None without a draft vocabulary."""
     if draft_vocab is None:
@@ -162,20 +191,38 @@ def map_labels(labels: Tensor, index: Tensor | None) -> Tensor:
     return torch.where(labels >= 0, mapped, labels).clamp(min=-100)
 
 
-def packed_loss(drafter, batch: PackedBatch, acoustic_kv, weights: Tensor, index: Tensor | None):
+def map_ids(ids: Tensor, index: Tensor | None) -> Tensor:
+    """Token ids into draft-vocabulary columns, -1 where the draft vocabulary lacks the id."""
+    return ids if index is None else index.to(ids.device)[ids]
+
+
+def combined_loss(logits, labels, soft_ids, soft_logprob, weights, soft_weight: float) -> tuple[Tensor, Tensor]:
+    loss, n = weighted_loss(logits, labels, weights)
+    if soft_weight:
+        if soft_ids is None:
+            raise ValueError("soft_weight > 0 needs teacher data extracted with top-k log-probabilities")
+        loss = (1 - soft_weight) * loss + soft_weight * soft_weighted_loss(logits, soft_ids, soft_logprob, labels, weights)
+    return loss, n
+
+
+def packed_loss(drafter, batch: PackedBatch, acoustic_kv, weights: Tensor, index: Tensor | None,
+                soft_weight: float = 0.0):
     """-> (loss, n labels, logits of the labelled rows [N, K, V'], their labels [N, K])."""
     states = packed_states(drafter, batch, acoustic_kv)  # [U, A, K, d]
     labels = map_labels(batch.labels, index)
     keep = (labels >= 0).any(-1)  # blocks with at least one label
     logits = drafter.logits(states[keep], full=False)  # [N, K, V']
-    loss, n = weighted_loss(logits, labels[keep], weights)
+    soft_ids = map_ids(batch.soft_ids[keep], index) if batch.soft_ids is not None else None
+    soft_logprob = batch.soft_logprob[keep] if batch.soft_logprob is not None else None
+    loss, n = combined_loss(logits, labels[keep], soft_ids, soft_logprob, weights, soft_weight)
     return loss, n, logits, labels[keep]
 
 
-def unpacked_loss(drafter, utterances, anchors, acoustic_per_utt, weights: Tensor, index: Tensor | None) -> Tensor:
+def unpacked_loss(drafter, utterances, anchors, acoustic_per_utt, weights: Tensor, index: Tensor | None,
+                  soft_weight: float = 0.0) -> Tensor:
     """Reference: the inference-time drafter forward, one anchor at a time (slow; for tests)."""
     cfg = drafter.config
-    all_logits, all_labels = [], []
+    all_logits, all_labels, all_ids, all_logprob = [], [], [], []
     for u, (utt, picks) in enumerate(zip(utterances, anchors)):
         toks = utt.tokens
         L = toks.numel()
@@ -196,7 +243,16 @@ def unpacked_loss(drafter, utterances, anchors, acoustic_per_utt, weights: Tenso
             lab[:n_lab] = toks[t + 1 : t + 1 + n_lab]
             all_logits.append(full[0])
             all_labels.append(map_labels(lab, index))
-    loss, _ = weighted_loss(torch.stack(all_logits), torch.stack(all_labels), weights)
+            if soft_weight:
+                ids = torch.zeros(cfg.block_size, utt.top_ids.shape[-1], dtype=torch.long)
+                logprob = torch.full(ids.shape, -math.inf)
+                for j in range(n_lab):  # label j is the token at t + 1 + j: the top-k row of position t + j
+                    ids[j] = utt.top_ids[t + j]
+                    logprob[j] = utt.top_logprob[t + j].float()
+                all_ids.append(map_ids(ids, index))
+                all_logprob.append(logprob)
+    soft = (torch.stack(all_ids), torch.stack(all_logprob)) if soft_weight else (None, None)
+    loss, _ = combined_loss(torch.stack(all_logits), torch.stack(all_labels), *soft, weights, soft_weight)
     return loss
 
 

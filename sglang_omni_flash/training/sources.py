@@ -30,6 +30,7 @@ class Clip:
     speaker: str  # voice / speaker: what train/validation splits are disjoint by
     duration: float  # seconds (0 if unknown until loaded)
     loader: Callable[[], np.ndarray]  # -> 16 kHz mono float32
+    path: str = ""  # the audio file, when there is one: training re-reads it instead of a stored encoder output
 
     def load(self) -> np.ndarray:
         return self.loader()
@@ -45,7 +46,7 @@ def from_manifest(path: str | Path) -> list[Clip]:
     from sglang_omni_flash.corpus.manifest import read_manifest
 
     return [
-        Clip(u.id, u.text, u.voice, u.duration, lambda p=u.audio: _read_file(p))
+        Clip(u.id, u.text, u.voice, u.duration, lambda p=u.audio: _read_file(p), str(u.audio))
         for u in read_manifest(Path(path))
     ]
 
@@ -65,7 +66,7 @@ def from_librispeech(root: str | Path) -> list[Clip]:
             if not audio.is_file():
                 raise UserError(f"{trans}: {audio.name} is missing")
             speaker = uid.split("-")[0]
-            clips.append(Clip(uid, text.strip(), f"librispeech:{speaker}", 0.0, lambda p=audio: _read_file(p)))
+            clips.append(Clip(uid, text.strip(), f"librispeech:{speaker}", 0.0, lambda p=audio: _read_file(p), str(audio)))
     return clips
 
 

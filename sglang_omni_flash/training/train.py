@@ -71,6 +71,7 @@ class TrainOptions:
     block_size: int = 8
     onpolicy: float = 0.0  # share of anchors drawn from the current drafter's rollout (0 = all uniform)
     select: str = "rollout_tau"  # validation figure that picks best/: "rollout_tau" or "tau"
+    soft_weight: float = 0.0  # share of the loss against the target's top-k distribution (tree-aware; 0 = hard only)
     init: str = ""  # warm start: a drafter directory (same target and shape) whose weights start the run
     threads: int | None = None
     device: str = "auto"
@@ -93,12 +94,13 @@ def lr_at(step: int, options: TrainOptions) -> float:
 
 
 class Trainer:
-    def __init__(self, options: TrainOptions, progress: bool = True):
+    def __init__(self, options: TrainOptions, progress: bool = True, data=None):
+        """data: (train index, train utterances, validation utterances) already loaded by another Trainer of
+        the same teacher folders (a recipe's ablation arms), instead of loading them again."""
         from transformers import WhisperForConditionalGeneration
 
         from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
         from sglang_omni_flash.models.embedded import resolve_model
-        from sglang_omni_flash.training.extract import load_teacher
 
         self.options = options
         self.progress = progress
@@ -111,10 +113,13 @@ class Trainer:
         self.out = Path(options.out)
         self.out.mkdir(parents=True, exist_ok=True)
 
-        self.train_index, self.train = self._load(options.teacher, load_teacher)
+        if data is not None:
+            self.train_index, self.train, self.val = data
+        else:
+            self.train_index, self.train = self._load(options.teacher, progress)
+            self.val = self._load(options.validation, progress)[1] if options.validation else []
         if not self.train:
             raise UserError("the teacher folders hold no usable utterance")
-        self.val = self._load(options.validation, load_teacher)[1] if options.validation else []
 
         model_dir = resolve_model(options.model)
         target = WhisperForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -156,10 +161,13 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
     @staticmethod
-    def _load(folders, load_teacher):
+    def _load(folders, progress: bool = False):
+        from sglang_omni_flash.training.extract import load_teacher, recompute_encoders
+
         index, utts = None, []
         for folder in folders:
             idx, part = load_teacher(folder)
+            recompute_encoders(part, idx, progress=progress)
             if index is not None and TargetIdentity.of_record(idx).differences(TargetIdentity.of_record(index)):
                 raise UserError(f"{folder} was extracted from another target than {folders[0]}")
             index = index or idx
@@ -277,7 +285,7 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         with autocast:
             acoustic = self._acoustic(utts)
-            loss, _, _, _ = packing.packed_loss(self.drafter, batch, acoustic, self.weights, self.index)
+            loss, _, _, _ = packing.packed_loss(self.drafter, batch, acoustic, self.weights, self.index, opts.soft_weight)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), opts.clip)
@@ -293,7 +301,7 @@ class Trainer:
             return {}
         self.drafter.eval()
         g = torch.Generator().manual_seed(12345)
-        prefixes, losses, by_pos, n_lab = [], [], torch.zeros(self.options.block_size), 0
+        prefixes, losses, by_pos, n_lab, top4 = [], [], torch.zeros(self.options.block_size), 0, []
         for start in range(0, len(utts), 4):
             part = utts[start : start + 4]
             anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), max_anchors, g) for u in part]
@@ -301,6 +309,7 @@ class Trainer:
             loss, n, logits, labels = packing.packed_loss(self.drafter, batch, self._acoustic(part), self.weights, self.index)
             prefix = packing.accepted_prefix(logits, labels)
             prefixes.append(prefix.cpu())
+            top4.append((logits[:, 0].topk(4, dim=-1).indices == labels[:, :1]).any(-1).cpu())
             losses.append(float(loss) * int(n))
             n_lab += int(n)
             for j in range(self.options.block_size):
@@ -316,6 +325,8 @@ class Trainer:
         return {
             "tau": packing.expected_tau(prefix),
             "first": float((prefix > 0).float().mean()),
+            # a tree's worth: how often the first label is among the drafter's four best first tokens
+            "first_top4": float(torch.cat(top4).float().mean()),
             "loss": sum(losses) / max(1, n_lab),
             "accept_by_position": (by_pos / max(1, prefix.numel())).tolist(),
             "blocks": int(prefix.numel()),
@@ -389,7 +400,7 @@ class Trainer:
                 if self.val and (self.step % opts.eval_every == 0 or at_end):
                     last_val = self.validate()
                     row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"],
-                            "val_rollout_tau": last_val["rollout_tau"]}
+                            "val_rollout_tau": last_val["rollout_tau"], "val_first_top4": last_val["first_top4"]}
                     if last_val[opts.select] > self.best_tau:
                         self.best_tau = last_val[opts.select]
                         self.save_best(last_val)
@@ -421,7 +432,7 @@ def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
 
 
 class _CsvLog:
-    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau")
+    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau", "val_first_top4")
 
     def __init__(self, path: Path, fresh: bool):
         self.path = path

@@ -17,12 +17,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr = subparsers.add_parser(
         "train", help="train a Whisper-Flash drafter on teacher extractions (resumable)",
         description="Packed-anchor training (paper eq. 3, AdamW, warm-up + cosine). Resumes from OUT/state. "
-        "The best checkpoint by validation acceptance is OUT/best, a drafter directory.",
+        "The best checkpoint by validation acceptance is OUT/best, a drafter directory. With --recipe: data, "
+        "teacher extraction, training and evaluation from one file (configs/drafter-*.yaml), resumable.",
     )
-    tr.add_argument("--teacher", action="append", required=True, metavar="DIR", help="teacher folder (repeatable)")
+    tr.add_argument("--recipe", metavar="FILE", help="run a whole recipe (the other options come from the file)")
+    tr.add_argument("--work", metavar="DIR", help="with --recipe: where everything goes (default: the recipe's `work`)")
+    tr.add_argument("--until", choices=("data", "extract", "train", "evaluate"), default="evaluate",
+                    help="with --recipe: stop after this stage")
+    tr.add_argument("--teacher", action="append", default=[], metavar="DIR", help="teacher folder (repeatable)")
     tr.add_argument("--validation", action="append", default=[], metavar="DIR",
                     help="teacher folder of held-out voices/speakers (repeatable)")
-    tr.add_argument("--out", required=True, help="output folder")
+    tr.add_argument("--out", help="output folder")
     tr.add_argument("--model", default=d.model, help="the target the teacher data came from (default base)")
     tr.add_argument("--steps", type=int, default=d.steps)
     tr.add_argument("--batch-size", type=int, default=d.batch_size, help="utterances per update")
@@ -44,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--select", choices=("rollout_tau", "tau"), default=d.select,
                     help="validation figure that picks the best checkpoint: rollout_tau (greedy decoding "
                     "replayed on the held-out teacher tokens, default) or tau (evenly spaced anchors)")
+    tr.add_argument("--soft-weight", type=float, default=d.soft_weight, metavar="LAMBDA",
+                    help="share of the loss that is cross-entropy against the target's own top-k distribution "
+                    "(distillation; values good second choices for draft trees; default 0: hard labels only)")
     tr.add_argument("--init", default="", metavar="DRAFTER",
                     help="warm start from this drafter directory (same target and shape), e.g. the shipped one")
     tr.add_argument("--threads", type=int, default=None)
@@ -72,6 +80,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _train(args) -> int:
     from sglang_omni_flash.training.train import Trainer, TrainOptions
 
+    if args.recipe:
+        from sglang_omni_flash.training.recipe import RecipeRun, load_recipe
+
+        result = RecipeRun(load_recipe(args.recipe, args.work), progress=not args.quiet, threads=args.threads).run(args.until)
+        print(json.dumps({k: result[k] for k in ("timings", "disk_bytes")} | {"evaluate": result.get("evaluate")}, indent=1))
+        return 0
+    if not args.teacher or not args.out:
+        raise UserError("train needs --teacher and --out (or --recipe FILE)")
     for name in ("steps", "batch_size", "anchors", "eval_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -90,7 +106,7 @@ def _train(args) -> int:
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
         freeze_acoustic_kv=not args.train_acoustic_kv, draft_vocab_top=args.draft_vocab_top,
-        onpolicy=args.onpolicy, select=args.select,
+        onpolicy=args.onpolicy, select=args.select, soft_weight=args.soft_weight,
         init=str(Path(args.init).resolve()) if args.init else "", threads=args.threads, device=args.device,
     )
     summary = Trainer(options, progress=not args.quiet).run()

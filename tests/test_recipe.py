@@ -1,0 +1,98 @@
+"""`whisper-flash train --recipe`: data, extraction, training and evaluation from one file, resumable.
+
+A handful of real test clips and tiny.en keep it to about a minute; the shipped recipes
+(configs/drafter-*.yaml) run the same code at full size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.training.recipe import RecipeRun, load_recipe
+
+
+def _write_recipe(path, test_set_paths, tiny_en_model_dir, **train):
+    schedule = dict(steps=4, batch_size=2, anchors=4, eval_every=2, checkpoint_every=2, draft_vocab_top=2000,
+                    soft_weight=0.5, seed=0) | train
+    path.write_text(f"""
+model: {tiny_en_model_dir}
+corpora:
+  train-clips:
+    use: train
+    manifest: {test_set_paths.synth}
+    select: {{pattern: '-(\\d+)$', from: 0, to: 3}}
+    pack: 20
+    augment: {{copies: 1, seed: 3}}
+  real-lines:
+    use: [validation, evaluate]
+    manifest: {test_set_paths.librivox}
+    select: {{pattern: 'f0*(\\d+)$', from: 2, to: 4}}
+extract: {{shard_size: 2, batch_size: 2}}
+train: {json.dumps(schedule)}
+evaluate:
+  dtype: float32
+  modes: [chain, tree]
+""")
+    return path
+
+
+def test_recipe_runs_end_to_end_and_resumes(test_set_paths, tiny_en_model_dir, tmp_path):
+    path = _write_recipe(tmp_path / "tiny.yaml", test_set_paths, tiny_en_model_dir,
+                         ablations={"hard-labels": {"soft_weight": 0.0}})
+    recipe = load_recipe(path, work=str(tmp_path / "w"))
+    work = tmp_path / "w"
+    first = RecipeRun(recipe, progress=False).run(until="extract")  # interrupted after extraction
+    assert set(first["timings"]) == {"data", "extract"} and "train" not in first
+    train_corpus = first["data"]["train-clips"]
+    assert train_corpus["clips"] == 2 * len(list((work / "corpora" / "train-clips" / "packed" / "wav").glob("*.wav")))
+    assert first["extract"]["train-clips"]["kept"] >= 2 and first["extract"]["real-lines"]["kept"] == 3
+    shards = {p: p.stat().st_mtime_ns for p in (work / "teacher").rglob("shard-*.safetensors")}
+    assert shards
+
+    done = RecipeRun(recipe, progress=False).run()  # the rest: nothing extracted twice
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards
+    drafter = work / "drafter"
+    assert (drafter / "model.safetensors").is_file() and (drafter / "training-log.csv").is_file()
+    assert done["train"]["main"]["step"] == done["train"]["hard-labels"]["step"] == 4
+    assert (work / "ablations" / "hard-labels" / "best" / "model.safetensors").read_bytes() != \
+        (drafter / "model.safetensors").read_bytes()  # the arm changed the loss, so other weights
+    assert set(done["evaluate"]) == {f"{d} ({m})" for d in ("new", "hard-labels") for m in ("chain", "tree")}
+    new = done["evaluate"]["new (chain)"]["real-lines"]
+    assert 1.0 <= new["tau"] <= 9.0 and 0.0 <= new["first"] <= 1.0
+    assert "| new (tree) | real-lines | 3 |" in (work / "eval.md").read_text()
+    assert set(done["timings"]) == {"data", "extract", "train", "evaluate"}
+    assert done["disk_bytes"]["teacher"] > 0
+
+    before = (drafter / "model.safetensors").read_bytes()
+    again = RecipeRun(recipe, progress=False).run()  # finished: every stage is a no-op
+    assert (drafter / "model.safetensors").read_bytes() == before
+    assert again["evaluate"] == done["evaluate"]
+
+
+def test_recipe_errors_name_the_problem(test_set_paths, tiny_en_model_dir, tmp_path):
+    path = _write_recipe(tmp_path / "bad.yaml", test_set_paths, tiny_en_model_dir, learning_rate=1.0)
+    with pytest.raises(UserError, match="unknown train keys.*learning_rate"):
+        RecipeRun(load_recipe(path, work=str(tmp_path / "w")), progress=False).train_options()
+    (tmp_path / "nouse.yaml").write_text("corpora:\n  a: {manifest: x.jsonl}\n")
+    with pytest.raises(UserError, match="corpus a needs `use:`"):
+        load_recipe(tmp_path / "nouse.yaml")
+    with pytest.raises(UserError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+    cli = subprocess.run([sys.executable, "-m", "sglang_omni_flash.cli", "train", "--recipe", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True)
+    assert cli.returncode != 0 and "does not exist" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_shipped_recipes_load_and_name_their_warm_start_commit():
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("drafter-base.yaml", "drafter-tiny.en.yaml"):
+        recipe = load_recipe(configs / name)
+        assert recipe.corpora_for("train") and recipe.corpora_for("validation") and recipe.corpora_for("evaluate")
+        init = recipe.train["init"]
+        assert isinstance(init, dict) and set(init) == {"git", "path"}
