@@ -98,6 +98,21 @@ def test_empty_file_is_refused(server):
     assert error["code"] == "empty_file"
 
 
+def test_nan_samples_are_refused(server):
+    """A float WAV may carry NaN samples; decoded, they give "!!!!" for a whole token budget."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    samples = np.zeros(16000, dtype=np.float32)
+    samples[100:200] = np.nan
+    buf = io.BytesIO()
+    sf.write(buf, samples, 16000, subtype="FLOAT", format="WAV")
+    error = assert_envelope(post(server, TRANSCRIPTIONS, None, ("nan.wav", buf.getvalue(), "audio/wav")), param="file")
+    assert error["code"] == "invalid_audio" and "NaN" in error["message"]
+
+
 def test_translations_get_the_same_validation(server, wav_bytes):
     assert_envelope(post(server, TRANSLATIONS, {"temperature": "-1"}, ("clip.wav", wav_bytes, "audio/wav")),
                     param="temperature")

@@ -96,3 +96,7 @@ def test_shipped_recipes_load_and_name_their_warm_start_commit():
         assert recipe.corpora_for("train") and recipe.corpora_for("validation") and recipe.corpora_for("evaluate")
         init = recipe.train["init"]
         assert isinstance(init, dict) and set(init) == {"git", "path"}
+    for name in ("drafter-large-v3-gpu.yaml", "drafter-large-v3-gpu-stage2.yaml"):  # paper scale: the same command
+        recipe = load_recipe(configs / name)
+        run = RecipeRun(recipe, progress=False)
+        assert run.train_options().steps in (40000, 80000) and not run.train_options().freeze_acoustic_kv

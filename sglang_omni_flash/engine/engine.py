@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
+from sglang_omni_flash.engine.fallback import judge
 from sglang_omni_flash.engine.logit_rules import LogitRules
 from sglang_omni_flash.engine.options import (
     MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_pace, default_tree,
@@ -311,6 +312,9 @@ class WhisperFlashEngine:
             raise UserError(f"batch size must be at least 1, got {options.batch_size}")
         if options.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {options.temperature}")
+        if any(not 0 < t <= 2 for t in options.temperature_fallback) or list(options.temperature_fallback) != sorted(
+                options.temperature_fallback):
+            raise UserError(f"temperature_fallback must be rising temperatures in (0, 2], got {options.temperature_fallback}")
         if options.block_size < 1:
             raise UserError(f"block size must be at least 1, got {options.block_size}")
         if options.min_draft_prob is not None and not 0.0 <= options.min_draft_prob <= 1.0:
@@ -430,18 +434,63 @@ class WhisperFlashEngine:
         self.timing = Timing()
         # one pacer per call: costs are measured afresh for this batch size and audio
         self.pacer = Pacer() if self.pace and proposer is not None else None
-        generator = self._generator()  # one seeded stream per call
+        fallback = opts.temperature == 0 and bool(opts.temperature_fallback)
+        generator = self._generator(fallback)  # one seeded stream per call
         results: list[DecodeResult] = []
         for start in range(0, source.shape[0], opts.batch_size):
             chunk = source[start : start + opts.batch_size].to(self.device)
-            results += self._decode_batch(chunk, proposer, encoder_out is not None, generator, start)
+            if fallback and encoder_out is None:  # retries decode the same encoder output again
+                chunk = self._encode_timed(chunk)
+            part = self._decode_batch(chunk, proposer, encoder_out is not None or fallback, generator, start)
+            if fallback:
+                part = self._fall_back(chunk, part, proposer, generator, start)
+            results += part
             if progress is not None:
                 progress(chunk.shape[0])
         return results
 
+    def _encode_timed(self, features: torch.Tensor) -> torch.Tensor:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        out = self.target.encode(features)
+        sync()
+        self.timing.encoder_s += time.perf_counter() - t0
+        return out
+
+    def _fall_back(self, encoder_out, results: list[DecodeResult], proposer, generator, first_id: int):
+        """Judge each window (engine.fallback); decode the ones to retry again at the next temperature."""
+        opts = self.options
+        thresholds = dict(compression_ratio_threshold=opts.compression_ratio_threshold,
+                          logprob_threshold=opts.logprob_threshold, no_speech_threshold=opts.no_speech_threshold)
+        pending = list(range(len(results)))
+        for attempt, temperature in enumerate((0.0, *opts.temperature_fallback)):
+            if attempt:
+                retried = self._decode_batch(encoder_out[pending], proposer, True, generator, first_id, temperature,
+                                             request_ids=[first_id + i for i in pending])
+                for i, res in zip(pending, retried):
+                    res.fallbacks = attempt
+                    res.target_calls += results[i].target_calls  # every attempt's target calls count
+                    results[i] = res
+            again = []
+            for i in pending:
+                res = results[i]
+                words = self.tokenizer.decode(res.tokens, skip_special_tokens=True)  # no timestamp markup
+                verdict = judge(words, res.sum_logprob, len(res.tokens), res.no_speech_prob, **thresholds)
+                res.compression_ratio = verdict.compression_ratio
+                if verdict.silence:
+                    res.no_speech, res.text = True, ""
+                elif verdict.retry:
+                    again.append(i)
+            pending = again
+            if not pending:
+                break
+        return results
+
     # -- one static batch --------------------------------------------------------------------
-    def _decode_batch(self, inputs: torch.Tensor, proposer, encoded: bool, generator, first_id: int) -> list[DecodeResult]:
+    def _decode_batch(self, inputs: torch.Tensor, proposer, encoded: bool, generator, first_id: int,
+                      temperature: float | None = None, request_ids: list[int] | None = None) -> list[DecodeResult]:
         opts, special = self.options, self.special
+        temperature = opts.temperature if temperature is None else temperature
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -464,7 +513,7 @@ class WhisperFlashEngine:
             self.rules(),
             special.eos,
             special.timestamp_begin,
-            opts.temperature,
+            temperature,
             generator,
             self.device,
             min_draft_prob=self.min_draft_prob,
@@ -472,8 +521,9 @@ class WhisperFlashEngine:
             tree_min_prob=self.tree_min_prob,
             pacer=self.pacer,
             clock=lambda: (sync(), time.perf_counter())[1],
+            no_speech_id=special.no_timestamps - 1,  # <|nospeech|> / <|nocaptions|> (as transformers)
         )
-        results = decoder.run(prompts, [budget] * n, list(range(first_id, first_id + n)))
+        results = decoder.run(prompts, [budget] * n, request_ids or list(range(first_id, first_id + n)))
         sync()
         t2 = time.perf_counter()
         self.timing.encoder_s += t1 - t0
@@ -481,6 +531,7 @@ class WhisperFlashEngine:
         for res, lang in zip(results, languages):
             res.language = special.language_code(lang) if special.multilingual else "en"
             res.text = self.text(res.tokens)
+            res.temperature = temperature
         return results
 
     def rules(self) -> LogitRules:
@@ -496,8 +547,8 @@ class WhisperFlashEngine:
             self.device,
         )
 
-    def _generator(self) -> torch.Generator | None:
-        if self.options.temperature <= 0:
+    def _generator(self, fallback: bool = False) -> torch.Generator | None:
+        if self.options.temperature <= 0 and not fallback:
             return None
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.options.seed)

@@ -77,6 +77,13 @@ class EngineOptions:
     temperature: float = 0.0
     # seed of the sampling generator (one torch.Generator per decode call)
     seed: int = 0
+    # temperature fallback (engine.fallback), with temperature 0 only: a window judged too repetitive or
+    # too unsure is decoded again at each of these temperatures in turn, the last attempt kept; () = off.
+    # openai-whisper's ladder is engine.fallback.LADDER (0.2 .. 1.0)
+    temperature_fallback: tuple[float, ...] = ()
+    compression_ratio_threshold: float | None = 2.4  # retry above this gzip ratio (None: no check)
+    logprob_threshold: float | None = -1.0  # retry below this average log-probability (None: no check)
+    no_speech_threshold: float | None = 0.6  # silence above this <|nospeech|> probability, when also unsure
     # emit Whisper timestamp tokens (timestamp logit rules on, <|notimestamps|> left out of the prompt)
     timestamps: bool = False
     # language code ("en", "de", ...) for multilingual models; None = detect per request

@@ -126,6 +126,18 @@ class DecodeResult:
     rounds: int = 0  # rounds with at least one candidate
     accepted_lengths: list[int] = field(default_factory=list)  # accepted candidates of each such round
     language: str | None = None
+    # the target's log-probabilities of the emitted tokens (rule-shaped logits, before temperature),
+    # summed, and its <|nospeech|> probability at <|startoftranscript|>: what temperature fallback judges
+    sum_logprob: float = 0.0
+    no_speech_prob: float | None = None
+    temperature: float = 0.0  # of the attempt this result is
+    fallbacks: int = 0  # earlier attempts at lower temperatures that were judged and discarded
+    compression_ratio: float | None = None  # set by the fallback judgement
+    no_speech: bool = False  # judged silent: `text` is empty
+
+    @property
+    def avg_logprob(self) -> float:
+        return self.sum_logprob / max(1, len(self.tokens))
 
 
 @dataclass
@@ -160,8 +172,11 @@ class SpeculativeDecoder:
         tree_min_prob: float = 0.0,
         pacer: Pacer | None = None,
         clock=time.perf_counter,
+        no_speech_id: int | None = None,
     ):
         self.backend = backend
+        # <|nospeech|> (<|nocaptions|> in older vocabularies): its probability after <|startoftranscript|>
+        self.no_speech_id = no_speech_id
         # per step: a round where it pays, else a plain step (`engine.pacing`); None: always rounds.
         # `clock` must return seconds after the device finished (the engine syncs CUDA in it)
         self.pacer = pacer
@@ -217,9 +232,15 @@ class SpeculativeDecoder:
         tokens = torch.tensor(prompts, dtype=torch.long, device=self.device)
         positions = torch.arange(p, device=self.device).expand(n, p)
         logits, states = self.backend.verify(tokens, positions, p, want_history=self.proposer is not None)
+        if self.no_speech_id is not None:  # the prompt starts with <|startoftranscript|>
+            no_speech = torch.softmax(logits[:, 0].float(), dim=-1)[:, self.no_speech_id].tolist()
+            for i in range(n):
+                results[i].no_speech_prob = no_speech[i]
         last = logits[:, -1]
         prefix = Prefix.from_tokens([[] for _ in range(n)], self.timestamp_begin, self.device)
-        first = self._pick(self.rules.apply(last, prefix)).tolist()
+        shaped = self.rules.apply(last, prefix)
+        first = self._pick(shaped).tolist()
+        self._add_logprobs(results, range(n), shaped[:, None], [[t] for t in first], [[0]] * n)
         if self.proposer is not None:
             self.proposer.observe(states, positions)
         rows = [_Row(i, p, budgets[i], results[i].tokens) for i in range(n)]
@@ -313,7 +334,10 @@ class SpeculativeDecoder:
 
         # advance: keep anchor + accepted in cache and history, emit accepted + next anchor
         self.proposer.observe(states, positions)
-        return self._advance(rows, results, num, [c[:a] for c, a in zip(cand, accepted)], next_token, eos_accepted)
+        emitted = [c[:a] for c, a in zip(cand, accepted)]
+        self._add_logprobs(results, [r.rid for r in rows], logits, self._with_next(emitted, next_token, eos_accepted),
+                           [list(range(a + 1)) for a in accepted])
+        return self._advance(rows, results, num, emitted, next_token, eos_accepted)
 
     def tree_round(self, rows, results, proposal, anchor, anchor_pos, kv_len, num) -> list[_Row]:
         """A greedy round over a draft tree (prefix-free rules only: each node's rules depend on its
@@ -346,6 +370,8 @@ class SpeculativeDecoder:
             states = states.gather(1, path_rows[:, :, None, None].expand(-1, -1, *states.shape[2:]))
         self.proposer.observe(states, anchor_pos[:, None] + torch.arange(depth + 1, device=self.device))
         emitted = [[tree.token_lists[i][r - 1] for r in path] for i, path in enumerate(paths)]
+        self._add_logprobs(results, [r.rid for r in rows], logits, self._with_next(emitted, next_token, eos_accepted),
+                           [[0] + path for path in paths])  # row 0 (the anchor) predicts the first token
         return self._advance(rows, results, tree.valid.sum(1).tolist(), emitted, next_token, eos_accepted)
 
     def _advance(self, rows, results, proposed: list[int], accepted: list[list[int]], next_token: list[int],
@@ -373,7 +399,9 @@ class SpeculativeDecoder:
         positions = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long, device=self.device)
         kv_len = max(r.cache_len for r in rows) + 1
         logits, states = self.backend.verify(anchor, positions, kv_len, want_history=self.proposer is not None)
-        nxt = self._pick(self.rules.apply(logits[:, 0], self._prefix(rows))).tolist()
+        shaped = self.rules.apply(logits[:, 0], self._prefix(rows))
+        nxt = self._pick(shaped).tolist()
+        self._add_logprobs(results, [r.rid for r in rows], shaped[:, None], [[t] for t in nxt], [[0]] * len(rows))
         if self.proposer is not None:
             self.proposer.observe(states, positions)
         for row, tok in zip(rows, nxt):
@@ -384,6 +412,28 @@ class SpeculativeDecoder:
         return self._finish(rows)
 
     # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _with_next(accepted: list[list[int]], next_token: list[int], eos_accepted: list[bool]) -> list[list[int]]:
+        return [a if eos else a + [t] for a, t, eos in zip(accepted, next_token, eos_accepted)]
+
+    @staticmethod
+    def _add_logprobs(results, rids, shaped: torch.Tensor, emitted: list[list[int]], rows: list[list[int]]) -> None:
+        """Add log p(token) of each emitted token to its result's sum; token j of request i was predicted
+        by row rows[i][j] of the rule-shaped logits [n, R, V] (one batched gather, one transfer)."""
+        index_i, index_r, tokens = [], [], []
+        for i, (toks, rws) in enumerate(zip(emitted, rows)):
+            for tok, r in zip(toks, rws):
+                index_i.append(i)
+                index_r.append(r)
+                tokens.append(tok)
+        if not tokens:
+            return
+        dev = shaped.device
+        picked = shaped[torch.tensor(index_i, device=dev), torch.tensor(index_r, device=dev)].float()  # [m, V]
+        logp = (picked.gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0] - torch.logsumexp(picked, -1)).tolist()
+        for i, lp in zip(index_i, logp):
+            results[rids[i]].sum_logprob += lp
+
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature > 0:
             return sample_tokens(probs_from_logits(logits, self.temperature), self.generator)

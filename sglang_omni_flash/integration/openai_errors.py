@@ -88,6 +88,9 @@ def parse_temperature(raw: str | None) -> float | None:
     return value
 
 
+FLOAT_SUBTYPES = ("FLOAT", "DOUBLE")
+
+
 def check_audio(audio: bytes, *, filename: str | None, content_type: str | None) -> None:
     """Refuse an empty or undecodable upload, reading only headers and the first frame."""
     if not audio:
@@ -103,6 +106,12 @@ def check_audio(audio: bytes, *, filename: str | None, content_type: str | None)
         with soundfile.SoundFile(io.BytesIO(audio)) as sound:
             if sound.frames == 0:
                 raise InvalidRequest("The uploaded audio file contains no samples.", "file", code="empty_file")
+            if sound.subtype in FLOAT_SUBTYPES:  # only float samples can be NaN or infinite
+                import numpy as np
+
+                if not np.isfinite(sound.read(dtype="float32")).all():
+                    raise InvalidRequest("The uploaded audio contains NaN or infinite samples.", "file",
+                                         code="invalid_audio")
             return
     except soundfile.LibsndfileError:
         pass  # not a libsndfile format: FFmpeg decides, as in sglang-omni's loader

@@ -156,6 +156,9 @@ def _token_encoder():
     return (lambda text: tok.encode(text, add_special_tokens=False)), begin
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away first
+
+
 async def _decode_chunks(request: Request, app: FastAPI, form, *, task: str, timestamps: bool,
                          request_id: str, audio_bytes: bytes, duration_s: float):
     """(plan, decoded pieces in order, language) of an upload, long or short."""
@@ -301,9 +304,17 @@ def install_on(app: FastAPI) -> FastAPI:
 
     async def timed(request: Request, form, *, task: str, fmt: str, timestamps: bool, audio_bytes: bytes,
                     duration_s: float) -> Response:
-        plan, pieces, language = await _decode_chunks(
-            request, app, form, task=task, timestamps=timestamps, request_id=f"{task}-{uuid.uuid4()}",
-            audio_bytes=audio_bytes, duration_s=duration_s)
+        try:
+            plan, pieces, language = await _decode_chunks(
+                request, app, form, task=task, timestamps=timestamps, request_id=f"{task}-{uuid.uuid4()}",
+                audio_bytes=audio_bytes, duration_s=duration_s)
+        except asyncio.CancelledError:
+            # the client hung up: its chunks were aborted and nobody reads an answer; let the request end
+            # quietly instead of as an "Exception in ASGI application" with a traceback (server shutdown
+            # cancels too, and then the cancellation goes on)
+            if await request.is_disconnected():
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            raise
         return _respond(fmt, task=task, plan=plan, pieces=pieces, language=language,
                         temperature=form.temperature, timestamps=timestamps)
 

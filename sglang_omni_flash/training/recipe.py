@@ -47,6 +47,8 @@ class Corpus:
     select: dict = field(default_factory=dict)  # ... optionally only ids whose `pattern` group 1 is in [from, to]
     synth: dict = field(default_factory=dict)  # ... or a synthetic corpus: n, seed, split, text
     librivox: bool = False  # ... or the LibriVox reading
+    librispeech: str = ""  # ... or a LibriSpeech tree (GPU recipes; no packing or augmentation)
+    dataset: str = ""  # ... or a local `datasets` folder (likewise; its encoder outputs are stored)
     pack: float = 0.0  # join clips of one voice into clips up to this many seconds (0: as they are)
     augment: dict = field(default_factory=dict)  # copies, seed: augmented copies added beside the originals
 
@@ -96,11 +98,15 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
         use = (use,) if isinstance(use, str) else tuple(use or ())
         if not use or set(use) - set(USES):
             raise UserError(f"recipe {path}: corpus {name} needs `use:` from {USES}, got {use}")
-        sources = [k for k in ("manifest", "synth", "librivox") if spec.get(k)]
+        sources = [k for k in ("manifest", "synth", "librivox", "librispeech", "dataset") if spec.get(k)]
         if len(sources) != 1:
-            raise UserError(f"recipe {path}: corpus {name} needs exactly one of manifest / synth / librivox")
-        if spec.get("manifest"):
-            spec["manifest"] = _expand(spec["manifest"], base)
+            raise UserError(f"recipe {path}: corpus {name} needs exactly one of manifest / synth / librivox / "
+                            "librispeech / dataset")
+        if sources[0] in ("librispeech", "dataset") and (spec.get("pack") or spec.get("augment") or spec.get("select")):
+            raise UserError(f"recipe {path}: corpus {name}: pack, augment and select work on manifests only")
+        for key in ("manifest", "librispeech", "dataset"):
+            if spec.get(key):
+                spec[key] = _expand(spec[key], base)
         try:
             corpora.append(Corpus(name=name, use=use, **spec))
         except TypeError as exc:
@@ -123,7 +129,6 @@ class RecipeRun:
         self.progress = progress
         self.threads = threads
         self.work = recipe.work
-        self.work.mkdir(parents=True, exist_ok=True)
         self.timings_path = self.work / "timings.json"
 
     @contextmanager
@@ -136,6 +141,7 @@ class RecipeRun:
         self.timings_path.write_text(json.dumps(timings, indent=1) + "\n")
 
     def run(self, until: str = "evaluate") -> dict:
+        self.work.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.recipe.path, self.work / "recipe.yaml")
         result = {}
         for stage in STAGES[: STAGES.index(until) + 1]:
@@ -183,12 +189,19 @@ class RecipeRun:
             manifest = write_manifest(root / "manifest.jsonl", read_manifests([manifest, copies]))
         return manifest
 
-    def stage_data(self) -> dict:
-        from sglang_omni_flash.corpus.manifest import read_manifest
+    def clips_of(self, corpus: Corpus):
+        from sglang_omni_flash.training import sources
 
+        if corpus.librispeech:
+            return sources.from_librispeech(corpus.librispeech)
+        if corpus.dataset:
+            return sources.from_dataset(corpus.dataset)
+        return sources.from_manifest(self.manifest_of(corpus))
+
+    def stage_data(self) -> dict:
         out = {}
         for corpus in self.recipe.corpora:
-            clips = read_manifest(self.manifest_of(corpus))
+            clips = self.clips_of(corpus)
             out[corpus.name] = {"clips": len(clips), "hours": round(sum(c.duration for c in clips) / 3600, 3)}
         return out
 
@@ -197,20 +210,25 @@ class RecipeRun:
         return self.work / "teacher" / corpus.name
 
     def stage_extract(self) -> dict:
+        import dataclasses
+
         from sglang_omni_flash.engine.cli import engine_line
         from sglang_omni_flash.training.extract import ExtractOptions, TeacherExtractor
-        from sglang_omni_flash.training.sources import from_manifest
 
-        e = self.recipe.extract
-        extractor = TeacherExtractor(ExtractOptions(
-            model=self.recipe.model, shard_size=int(e.get("shard_size", 32)), batch_size=int(e.get("batch_size", 8)),
-            threads=self.threads, dtype=str(e.get("dtype", "auto")), teacher_top=int(e.get("teacher_top", 8)),
-        ))
+        e = dict(self.recipe.extract)
+        unknown = set(e) - {"shard_size", "batch_size", "dtype", "teacher_top", "language", "lookup_block"}
+        if unknown:
+            raise UserError(f"recipe {self.recipe.path}: unknown extract keys {sorted(unknown)}")
+        extractor = TeacherExtractor(ExtractOptions(model=self.recipe.model, threads=self.threads, **(
+            {"shard_size": 32} | e)))
         print(f"[recipe] extract: {engine_line(extractor.engine)}", file=sys.stderr)
         out = {}
+        plain = extractor.options
         for corpus in self.recipe.corpora_for("train") + self.recipe.corpora_for("validation"):
-            index = extractor.extract(from_manifest(self.manifest_of(corpus)), self.teacher_dir(corpus),
-                                      progress=self.progress)
+            clips = self.clips_of(corpus)
+            # clips without an audio file to re-read (a datasets folder) keep their encoder output
+            extractor.options = dataclasses.replace(plain, store_encoder=any(not c.path for c in clips))
+            index = extractor.extract(clips, self.teacher_dir(corpus), progress=self.progress)
             out[corpus.name] = index["totals"]
         return out
 
@@ -289,7 +307,6 @@ class RecipeRun:
         from sglang_omni_flash.engine.engine import WhisperFlashEngine
         from sglang_omni_flash.engine.options import EngineOptions
         from sglang_omni_flash.training.evaluate import evaluate_drafter
-        from sglang_omni_flash.training.sources import from_manifest
 
         from sglang_omni_flash.training.train import BEST
 
@@ -316,7 +333,7 @@ class RecipeRun:
                     model=self.recipe.model, drafter=drafter, speculative=True, threads=self.threads,
                     dtype=str(self.recipe.evaluate.get("dtype", "auto")), pace=False, **costs))
                 for corpus in todo:
-                    clips = from_manifest(self.manifest_of(corpus))
+                    clips = self.clips_of(corpus)
                     print(f"[recipe] evaluate {key} on {corpus.name} ({len(clips)} clips)", file=sys.stderr)
                     r = evaluate_drafter(engine, clips)
                     r.pop("per_clip")
