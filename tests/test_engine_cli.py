@@ -46,6 +46,8 @@ def test_transcribe_json_has_tokens_and_says_which_drafter(capsys, tiny_en_model
     for item in data["results"]:
         assert item["tokens"][-1] == 50256  # tiny.en EOS
         assert item["text"].strip()
+        # fallback is on by default; clean speech keeps its greedy attempt
+        assert item["temperature"] == 0.0 and item["avg_logprob"] > -1.0 and 0 < item["compression_ratio"] < 2.4
 
 
 def test_transcribe_greedy_and_flash_print_the_same_text(capsys, tiny_en_model_dir, two_clips):

@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
     tr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = sampling")
     tr.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    tr.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
+                    help="at temperature 0, decode a window again at 0.2 .. 1.0 while it is too repetitive or too "
+                    "unsure, and give silence empty text, as openai-whisper (default on)")
     tr.add_argument("--timestamps", action="store_true", help="emit Whisper timestamp tokens")
     tr.add_argument("--language", default=None, help="language code for multilingual models (default: detect)")
     tr.add_argument("--task", default="transcribe", choices=("transcribe", "translate"))
@@ -150,6 +153,7 @@ def _progress(total: int, quiet: bool, desc: str):
 def _transcribe(args) -> int:
     from sglang_omni_flash.engine.audio import load_audio
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.fallback import LADDER
 
     if args.batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {args.batch_size}")
@@ -165,6 +169,7 @@ def _transcribe(args) -> int:
         language=args.language,
         task=args.task,
         max_new_tokens=args.max_new_tokens,
+        temperature_fallback=LADDER if args.fallback else (),
     )
     engine = WhisperFlashEngine(options)
     mode = "greedy" if args.greedy else "whisper-flash"
@@ -195,6 +200,10 @@ def _transcribe(args) -> int:
                     "proposed": r.proposed,
                     "accepted": r.accepted,
                     "target_calls": r.target_calls,
+                    "avg_logprob": round(r.avg_logprob, 4),
+                    "no_speech_prob": None if r.no_speech_prob is None else round(r.no_speech_prob, 4),
+                    "compression_ratio": None if r.compression_ratio is None else round(r.compression_ratio, 3),
+                    "temperature": r.temperature,
                 }
                 for path, r in zip(args.audio, results)
             ],

@@ -17,8 +17,9 @@ Pure functions (no sglang imports): tests build segments from strings.
 from __future__ import annotations
 
 import re
-import zlib
 from dataclasses import dataclass
+
+from sglang_omni_flash.engine.fallback import compression_ratio  # the one the engine judges fallback by
 
 TIMESTAMP_STEP_S = 0.02  # one Whisper timestamp token
 _TIMESTAMP = re.compile(r"<\|(\d+(?:\.\d+)?)\|>")
@@ -63,12 +64,6 @@ def parse_chunk_segments(rendered: str, chunk_duration_s: float) -> list[ChunkSe
     if text.strip():
         emit(previous_end if opened is None else opened, None, text)
     return out
-
-
-def compression_ratio(text: str) -> float:
-    """openai-whisper's repetition measure: bytes of the text over bytes of its zlib compression."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 def timestamp_token(timestamp_begin: int, seconds: float) -> int:
