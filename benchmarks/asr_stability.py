@@ -74,7 +74,7 @@ FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(
                          r"kv_free=(\d+)(?: ids=\[([\d, ]*)\])?")
 SRT_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)$")
 VTT_TIME = re.compile(r"^(?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d) --> (?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d)$")
-# The bad form fields of tests/test_openai_errors.py: (fields, the param the envelope must name).
+# Bad form fields (tests/test_openai_errors.py checks the same list): (fields, the param the envelope must name).
 BAD_FIELDS = {
     "temperature_negative": ({"temperature": "-1"}, "temperature"),
     "temperature_above_one": ({"temperature": "1.5"}, "temperature"),

@@ -9,10 +9,16 @@ without a traceback; afterwards a good request still transcribes.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import requests
 
 from conftest import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from asr_stability import BAD_FIELDS  # noqa: E402  (one list of bad fields: this test and the stability benchmark)
 
 pytest.importorskip("sglang_omni")
 pytestmark = pytest.mark.server
@@ -53,22 +59,6 @@ def assert_envelope(resp: requests.Response, *, param: str | None, status: int =
     return error
 
 
-BAD_FIELDS = {
-    "temperature_negative": ({"temperature": "-1"}, "temperature"),
-    "temperature_above_one": ({"temperature": "1.5"}, "temperature"),
-    "temperature_not_a_number": ({"temperature": "warm"}, "temperature"),
-    "temperature_nan": ({"temperature": "nan"}, "temperature"),
-    "response_format_unknown": ({"response_format": "xml"}, "response_format"),
-    "response_format_srt_streamed": ({"response_format": "srt", "stream": "true"}, "response_format"),
-    "language_unknown": ({"language": "klingon"}, "language"),
-    "timestamp_granularity_unknown": (
-        {"timestamp_granularities[]": "phoneme", "response_format": "verbose_json"}, "timestamp_granularities"),
-    "timestamp_granularity_word_unsupported": (
-        {"timestamp_granularities[]": "word", "response_format": "verbose_json"}, "timestamp_granularities"),
-    "timestamp_granularities_without_verbose_json": (
-        {"timestamp_granularities[]": "segment", "response_format": "json"}, "timestamp_granularities"),
-    "max_new_tokens_zero": ({"max_new_tokens": "0"}, "max_new_tokens"),
-}
 
 
 @pytest.mark.parametrize("name", list(BAD_FIELDS))
