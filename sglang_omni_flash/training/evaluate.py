@@ -11,7 +11,7 @@ figures come from the rounds that actually ran, not from teacher forcing:
   group also gets the target's own WER against the reference text (Whisper's English normaliser
   without its spelling table, jiwer). The drafter learns to predict the target's transcript, so it
   is hardest to predict where the target itself mis-hears: on the held-out synthetic set tau falls
-  with the target's WER voice by voice (docs/training.md, "Where tau is lost").
+  with the target's WER voice by voice (docs/training.md, "What was tried and measured").
 """
 
 from __future__ import annotations
