@@ -922,6 +922,11 @@ def run(args: argparse.Namespace, levels: tuple[int, ...]) -> dict:
         for check in checks:
             print(f"  {'ok  ' if check.ok else 'FAIL'} {check.name}: {check.detail}", file=sys.stderr)
         result["after_soak"] = {"ok": all(c.ok for c in checks), "checks": [c.as_json() for c in checks]}
+        try:  # not a check: how often temperature fallback decoded a window again during the run
+            fallback = client.get_json("/whisper-flash/stats").get("fallback") or {}
+            result["after_soak"]["fallback"] = {k: v for k, v in fallback.items() if k != "recent"}
+        except (requests.RequestException, ValueError):
+            pass
         if log_file is not None and log_file.is_file():
             # not a check (a client hanging up may be logged with one), but worth reading when it grows
             result["after_soak"]["server_log_tracebacks"] = log_file.read_text(errors="replace").count("Traceback")

@@ -76,6 +76,9 @@ def resolved(base_model_dir, tmp_path_factory):
                           "--asr.speculative_tree_nodes", "12", "--asr.speculative_tree_min_prob", "0.1"]},
         "flash_yaml": {"config": str(flash_yaml)},
         "stock_yaml": {"config": str(stock_yaml)},
+        "no_fallback": {"model_path": str(base_model_dir),
+                        "argv": ["--asr.temperature_fallback", "false", "--asr.compression_ratio_threshold", "inf",
+                                 "--asr.logprob_threshold", "-0.5", "--asr.no_speech_threshold", "0.9"]},
     }
     proc = fresh_python("-c", RESOLVE, json.dumps(sources), str(base_model_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,13 +118,22 @@ def test_without_the_flag_the_factory_gets_exactly_the_stock_kwargs(resolved):
     assert plain["factory_path"] == PLUGIN_FACTORY
     assert stock["factory_path"] == STOCK_FACTORY
     assert not any(k.startswith("speculative") for k in plain["kwargs"])
-    assert plain["kwargs"] == stock["kwargs"]
+    fallback = {"temperature_fallback": True, "compression_ratio_threshold": 2.4, "logprob_threshold": -1.0,
+                "no_speech_threshold": 0.6}  # openai-whisper's; the plugin's factory takes them off
+    assert plain["kwargs"] == {**stock["kwargs"], **fallback}
 
 
-def test_speculation_adds_the_metrics_route_and_only_then(resolved):
+def test_fallback_fields_reach_the_factory(resolved):
+    kwargs = resolved["no_fallback"]["kwargs"]
+    assert kwargs["temperature_fallback"] is False and kwargs["compression_ratio_threshold"] == float("inf")
+    assert kwargs["logprob_threshold"] == -0.5 and kwargs["no_speech_threshold"] == 0.9
+
+
+def test_the_metrics_route_comes_with_speculation_or_fallback(resolved):
     """The worker's metrics are served by the ASR stage itself (sglang-omni stage http_routes)."""
     assert resolved["flag"]["http_routes"] == resolved["flash_yaml"]["http_routes"] == ["/whisper-flash"]
-    assert resolved["plain"]["http_routes"] == resolved["stock_class"]["http_routes"] == []
+    assert resolved["plain"]["http_routes"] == ["/whisper-flash"]  # fallback counts
+    assert resolved["no_fallback"]["http_routes"] == resolved["stock_class"]["http_routes"] == []
 
 
 def test_yaml_config_cls_resolves_plugin_and_stock_classes(resolved):

@@ -34,8 +34,8 @@ def test_text_without_timestamps_is_one_segment_over_the_chunk():
 
 
 def test_verbose_segments_are_offset_by_each_chunk_start_and_numbered_across_chunks():
-    chunks = [(0.0, 29.5, "<|0.00|> A.<|3.00|><|3.00|> B<|29.50|>"), (29.5, 10.0, ""),
-              (39.5, 8.0, "<|0.20|> C.<|6.00|>")]
+    chunks = [(0.0, 29.5, "<|0.00|> A.<|3.00|><|3.00|> B<|29.50|>", None), (29.5, 10.0, "", None),
+              (39.5, 8.0, "<|0.20|> C.<|6.00|>", None)]
     encoded = []
     segs = verbose_segments(chunks, temperature=0.0, encode=lambda t: encoded.append(t) or [7, 8],
                             timestamp_begin=1000)
@@ -46,6 +46,16 @@ def test_verbose_segments_are_offset_by_each_chunk_start_and_numbered_across_chu
     assert all(s["temperature"] == 0.0 for s in segs)
     assert segs[0]["compression_ratio"] == segs[1]["compression_ratio"] == round(compression_ratio(" A. B"), 4)
     assert verbose_segments(chunks, temperature=0.4)[0]["tokens"] == []
+    assert "avg_logprob" not in segs[0] and "no_speech_prob" not in segs[0]  # unknown without the stage's verdict
+
+
+def test_verbose_segments_carry_the_verdict_of_their_window():
+    report = {"temperature": 0.4, "avg_logprob": -0.31234, "compression_ratio": 1.23456, "no_speech_prob": 0.0123456}
+    chunks = [(0.0, 10.0, "<|0.00|> A.<|3.00|><|3.00|> B.<|6.00|>", report), (10.0, 5.0, "<|0.00|> C.<|2.00|>", None)]
+    segs = verbose_segments(chunks, temperature=0.0)
+    assert [(s["temperature"], s["avg_logprob"], s["compression_ratio"], s["no_speech_prob"]) for s in segs[:2]] == [
+        (0.4, -0.31234, 1.2346, 0.0123456)] * 2
+    assert segs[2]["temperature"] == 0.0 and "avg_logprob" not in segs[2]
 
 
 def test_compression_ratio_is_openai_whispers():

@@ -1,12 +1,12 @@
 """``WhisperFlashASRPipelineConfig``: sglang-omni's Whisper ASR pipeline plus Whisper-Flash options.
 
 The options are fields of the ASR *stage* config, so the command line paths are
-``--asr.speculative``, ``--asr.speculative_draft_model_path`` and
-``--asr.speculative_num_draft_tokens`` (sglang-omni prefixes a dotted flag whose head is a
-stage name with ``stages.``; ``O/config/path.py`` compiles it against
-``stage_config_types["asr"]``). They reach the stage factory through
-``stage_factory_kwargs`` -- only when ``speculative`` is set, so without it the factory
-receives exactly the kwargs of the stock pipeline.
+``--asr.speculative``, ``--asr.speculative_draft_model_path``,
+``--asr.speculative_num_draft_tokens``, ``--asr.temperature_fallback`` ... (sglang-omni prefixes a
+dotted flag whose head is a stage name with ``stages.``; ``O/config/path.py`` compiles it against
+``stage_config_types["asr"]``). They reach the plugin's stage factory through
+``stage_factory_kwargs``: the speculative ones only when ``speculative`` is set, the fallback
+ones always (the factory takes them off before anything of sglang-omni's sees its kwargs).
 """
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # None: by device and dtype (0.05 on an fp32 CPU, 0.02 on a bf16 CPU).
     speculative_tree_min_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
+    # OpenAI's temperature fallback (window_scores.py, engine/fallback.py): on the audio routes a
+    # request at temperature 0 (or none) has each 30 s window judged, and one judged too repetitive
+    # (gzip ratio above compression_ratio_threshold) or too unsure (average log-probability below
+    # logprob_threshold) decoded again at 0.2, 0.4 .. 1.0. A window whose <|nospeech|> probability is
+    # above no_speech_threshold while it is also unsure is silence: empty text. A check is switched
+    # off by a threshold it cannot cross (inf, -inf, 1).
+    temperature_fallback: bool = True
+    compression_ratio_threshold: float = 2.4
+    logprob_threshold: float = -1.0
+    no_speech_threshold: float = Field(default=0.6, le=1.0)
+
     @field_validator("speculative", mode="before")
     @classmethod
     def _known_algorithm(cls, value: object) -> object:
@@ -79,9 +90,13 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
         return self
 
     def model_post_init(self, __context: object = None) -> None:
-        # The worker's acceptance metrics are served by this stage's own process (metrics.py).
-        if self.speculative is not None and METRICS_ROUTE not in self.http_routes:
+        # The worker's acceptance and fallback metrics are served by this stage's own process (metrics.py).
+        # (and only then: a config re-validated from a dump of the defaults carries the route already)
+        served = self.speculative is not None or self.temperature_fallback
+        if served and METRICS_ROUTE not in self.http_routes:
             self.http_routes = [*self.http_routes, METRICS_ROUTE]
+        elif not served and METRICS_ROUTE in self.http_routes:
+            self.http_routes = [r for r in self.http_routes if r != METRICS_ROUTE]
         super().model_post_init(__context)
 
     def speculative_options(self) -> dict[str, object]:
@@ -98,6 +113,14 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative_tree_nodes": self.speculative_tree_nodes,
             "speculative_tree_min_prob": self.speculative_tree_min_prob,
         }
+
+
+    def fallback_options(self) -> dict[str, object]:
+        """The factory kwargs of the fallback fields (always passed: the plugin's factory takes them)."""
+        return {"temperature_fallback": self.temperature_fallback,
+                "compression_ratio_threshold": float(self.compression_ratio_threshold),
+                "logprob_threshold": float(self.logprob_threshold),
+                "no_speech_threshold": float(self.no_speech_threshold)}
 
 
 def _plugin_stage(stock: WhisperASRStageConfig) -> WhisperFlashASRStageConfig:
@@ -119,24 +142,31 @@ class WhisperFlashASRPipelineConfig(WhisperASRPipelineConfig):
 
     def model_post_init(self, __context: object = None) -> None:
         super().model_post_init(__context)
-        global _served_model_path
+        global _served_model_path, _served_fallback
         _served_model_path = str(self.model_path)
+        _served_fallback = any(s.temperature_fallback for s in self.stages if isinstance(s, WhisperFlashASRStageConfig))
 
     def stage_factory_kwargs(self, stage_name: str) -> Mapping[str, object]:
         kwargs = dict(super().stage_factory_kwargs(stage_name) or {})
         stage = self.stage_named(stage_name)
         if isinstance(stage, WhisperFlashASRStageConfig):
             kwargs.update(stage.speculative_options())
+            kwargs.update(stage.fallback_options())
         return kwargs
 
 
 # The model path of the latest pipeline config built in this process: the launcher builds the one
 # it serves, and its HTTP app needs that model's tokenizer (verbose_json segment tokens).
 _served_model_path: str | None = None
+_served_fallback = True  # and whether its ASR stage falls back (the audio routes then judge every window)
 
 
 def served_model_path() -> str | None:
     return _served_model_path
+
+
+def served_fallback() -> bool:
+    return _served_fallback
 
 
 EntryClass = WhisperFlashASRPipelineConfig

@@ -32,21 +32,94 @@ logger = logging.getLogger("sglang_omni_flash.spec")
 
 
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
+    def __init__(self, *, fallback=None, **stock):
+        from sglang_omni_flash.integration.metrics import FallbackMetrics
+        from sglang_omni_flash.integration.window_scores import FallbackPolicy
+
+        super().__init__(**stock)
+        self.fallback = fallback if fallback is not None else FallbackPolicy()
+        self.fallback_metrics = FallbackMetrics()
+        self.runner = None
+
+    def build(self, *args, **kwargs):
+        scheduler = super().build(*args, **kwargs)
+        runner, fallback = self.runner, self.fallback_metrics
+
+        def http_app():  # the stage serves it under the http_routes its config lists (metrics.py)
+            from sglang_omni_flash.integration.metrics import metrics_app
+
+            return metrics_app(getattr(runner, "metrics", None), fallback=fallback)
+
+        scheduler.http_app = http_app
+        return scheduler
+
     def setup_model(self, *, model_worker, **kwargs) -> None:
         super().setup_model(model_worker=model_worker, **kwargs)
         from sglang_omni_flash.integration.cpu_decode import install
 
         install(model_worker.model_runner.model)  # CPU only (a no-op elsewhere)
 
+    def make_model_runner(self, model_worker, output_proc):
+        from sglang_omni_flash.integration.window_scores import ScoringModelRunner
+
+        self.runner = ScoringModelRunner(model_worker, output_proc)
+        self._init_scoring(self.runner)
+        return self.runner
+
+    def _init_scoring(self, runner) -> None:
+        no_timestamps = int(self.generation_config.no_timestamps_token_id)
+        runner.init_scoring(no_speech_id=no_timestamps - 1,  # <|nospeech|> / <|nocaptions|>, as the engine
+                            sot_id=int(self.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")))
+
     def make_adapters(self, model):
         if not is_english_only(self.generation_config):
-            return super().make_adapters(model)
-        real = self.tokenizer
-        self.tokenizer = EnglishOnlyPrefix(real)  # what the request builder closes over
-        try:
-            return super().make_adapters(model)
-        finally:
-            self.tokenizer = real
+            request_builder, result_adapter = super().make_adapters(model)
+        else:
+            real = self.tokenizer
+            self.tokenizer = EnglishOnlyPrefix(real)  # what the request builder closes over
+            try:
+                request_builder, result_adapter = super().make_adapters(model)
+            finally:
+                self.tokenizer = real
+        return request_builder, self._reporting(result_adapter)
+
+    def _reporting(self, stock_result_adapter):
+        """The stock result adapter plus the window's fallback verdict (``window_scores``), carried
+        to the HTTP route in ``omni_rollout`` (which reaches ``CompletionResult.omni_rollout``)."""
+        from sglang_omni_flash.integration.window_scores import ATTEMPT_PARAM, REPORT_KEY, window_report
+
+        tokenizer, policy, metrics = self.tokenizer, self.fallback, self.fallback_metrics
+        timestamp_begin = int(self.generation_config.no_timestamps_token_id) + 1
+
+        def result_adapter(data):
+            payload = stock_result_adapter(data)
+            rid = data.req.rid
+            score = self.runner.scores.pop(rid) if self.runner is not None else None
+            if data.detect_language or not isinstance(payload.data, dict):
+                return payload
+            words = tokenizer.decode([t for t in data.output_ids or () if t < timestamp_begin],
+                                     skip_special_tokens=True)  # the text without timestamps, as openai-whisper
+            params = payload.request.params or {}
+            report = window_report(text=words, score=score, temperature=float(data.temperature or 0.0),
+                                   attempt=int(params.get(ATTEMPT_PARAM) or 0), policy=policy)
+            if report is not None:
+                metrics.record(rid, report)
+                payload.data["omni_rollout"] = {**(payload.data.get("omni_rollout") or {}), REPORT_KEY: report}
+            return payload
+
+        return result_adapter
+
+    def make_abort_callback(self):
+        stock = super().make_abort_callback()
+        builder = self
+
+        def on_abort(request_id: str) -> None:
+            if builder.runner is not None:
+                builder.runner.scores.pop(request_id)
+            if stock is not None:
+                stock(request_id)
+
+        return on_abort
 
 
 class TargetView:
@@ -100,20 +173,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         self.pace = pace  # None: by device (the runner)
         self.drafter = None
         self.tap = None
-        self.runner = None
         self.step_tokens: dict[str, list[int]] = {}  # shared by the runner and the stream builder
-
-    def build(self, *args, **kwargs):
-        scheduler = super().build(*args, **kwargs)
-        runner = self.runner
-
-        def http_app():  # the stage serves it under the http_routes its config lists (metrics.py)
-            from sglang_omni_flash.integration.metrics import metrics_app
-
-            return metrics_app(runner.metrics)
-
-        scheduler.http_app = http_app
-        return scheduler
 
     def adjust_overrides(self, overrides: dict[str, object]) -> None:
         super().adjust_overrides(overrides)
@@ -164,6 +224,7 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
                                               min_draft_prob=self.min_draft_prob, tree_nodes=self.tree_nodes,
                                               tree_min_prob=self.tree_min_prob, pace=self.pace)
         self.runner.step_tokens = self.step_tokens
+        self._init_scoring(self.runner)
         return self.runner
 
     def extra_scheduler_kwargs(self):
@@ -176,14 +237,13 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         return kwargs
 
     def make_abort_callback(self):
-        stock = super().make_abort_callback()
+        plain = super().make_abort_callback()
         runner = self.runner
 
         def on_abort(request_id: str) -> None:
             if runner is not None:
                 runner.forget(request_id)
-            if stock is not None:
-                stock(request_id)
+            plain(request_id)
 
         return on_abort
 

@@ -8,6 +8,10 @@ The worker's counters live in the stage process, so that is where they are expor
     GET /whisper-flash/metrics   Prometheus text format (prometheus_client, a registry of its own)
     GET /whisper-flash/stats     the same totals as JSON, plus the most recent finished requests
 
+``SpecMetrics`` (the speculative worker's acceptance) exists on a speculative stage only;
+``FallbackMetrics`` (temperature fallback: windows judged, retries per temperature, silent
+windows) on every stage built by the plugin.
+
 Counters are read at scrape time from the runner (plain ints written by the scheduler thread;
 a scrape may see one step half-counted, never a wrong total afterwards).
 """
@@ -130,26 +134,95 @@ class SpecMetrics:
         yield GaugeMetricFamily("whisper_flash_num_draft_tokens", "candidates proposed per round",
                                 value=t["num_draft_tokens"])
 
-    def prometheus_text(self) -> bytes:
-        from prometheus_client import CollectorRegistry, generate_latest
 
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)
-        return generate_latest(registry)
+@dataclass(frozen=True)
+class JudgedWindow:
+    rid: str
+    attempt: int  # 0: the first decode, n: the n-th fallback retry
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float | None
+    verdict: str  # "ok", "retry" (too repetitive or unsure), "silence"
+    at: float
 
 
-def metrics_app(metrics: SpecMetrics, prefix: str = ROUTE_PREFIX):
+class FallbackMetrics:
+    """Temperature fallback in this stage: each decoded window's verdict (``window_scores``).
+
+    One request of the OpenAI routes is one window per 30 s chunk; a retry is a new window
+    decode with ``attempt`` > 0, so a request's fallback count is its retries here (their rids
+    carry the request id).
+    """
+
+    def __init__(self, recent: int = RECENT_REQUESTS):
+        self.windows = 0  # first decodes judged
+        self.retries: dict[str, int] = {}  # temperature -> decodes of fallback retries
+        self.retry_verdicts = 0  # decodes judged too repetitive or unsure
+        self.silent = 0  # decodes judged silence
+        self._recent: deque[JudgedWindow] = deque(maxlen=recent)
+        self._lock = threading.Lock()
+
+    def record(self, rid: str, report: dict) -> None:
+        verdict = "silence" if report["silence"] else "retry" if report["retry"] else "ok"
+        window = JudgedWindow(rid=rid, attempt=report["attempt"], temperature=report["temperature"],
+                              avg_logprob=report["avg_logprob"], compression_ratio=report["compression_ratio"],
+                              no_speech_prob=report["no_speech_prob"], verdict=verdict, at=time.time())
+        with self._lock:
+            if window.attempt:
+                key = f"{window.temperature:.1f}"
+                self.retries[key] = self.retries.get(key, 0) + 1
+            else:
+                self.windows += 1
+            self.retry_verdicts += verdict == "retry"
+            self.silent += verdict == "silence"
+            self._recent.append(window)
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {"windows": self.windows, "retries": sum(self.retries.values()),
+                    "retries_by_temperature": dict(self.retries), "retry_verdicts": self.retry_verdicts,
+                    "silent_windows": self.silent, "recent": [asdict(w) for w in self._recent]}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        snap = self.snapshot()
+        yield CounterMetricFamily("whisper_flash_fallback_windows", "windows decoded (first attempts) and judged",
+                                  value=snap["windows"])
+        retries = CounterMetricFamily("whisper_flash_fallback_retries", "fallback decodes of a window, by temperature",
+                                      labels=["temperature"])
+        for temperature, n in sorted(snap["retries_by_temperature"].items()):
+            retries.add_metric([temperature], n)
+        yield retries
+        yield CounterMetricFamily("whisper_flash_fallback_retry_verdicts",
+                                  "decodes judged too repetitive or too unsure", value=snap["retry_verdicts"])
+        yield CounterMetricFamily("whisper_flash_fallback_silent_windows", "decodes judged silence (empty text)",
+                                  value=snap["silent_windows"])
+
+
+def metrics_app(metrics: SpecMetrics | None, prefix: str = ROUTE_PREFIX, fallback: FallbackMetrics | None = None):
     """The ASGI app the stage serves under ``prefix`` (see the module docstring)."""
     from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in (metrics, fallback):
+        if collector is not None:
+            registry.register(collector)
+
     async def prometheus(request):
-        return Response(metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(request):
-        return JSONResponse(metrics.snapshot())
+        body = metrics.snapshot() if metrics is not None else {}
+        if fallback is not None:
+            body["fallback"] = fallback.snapshot()
+        return JSONResponse(body)
 
     return Starlette(routes=[Route(f"{prefix}/metrics", prometheus, methods=["GET"]),
                              Route(f"{prefix}/stats", stats, methods=["GET"])])

@@ -70,20 +70,29 @@ def timestamp_token(timestamp_begin: int, seconds: float) -> int:
     return timestamp_begin + int(round(seconds / TIMESTAMP_STEP_S))
 
 
-def verbose_segments(chunks: list[tuple[float, float, str]], *, temperature: float, encode=None,
+def verbose_segments(chunks: list[tuple[float, float, str, dict | None]], *, temperature: float, encode=None,
                      timestamp_begin: int | None = None) -> list[dict]:
     """OpenAI verbose_json segments of consecutive chunks.
 
-    ``chunks``: (start offset s, duration s, rendered timestamped text) per chunk, in order.
+    ``chunks``: (start offset s, duration s, rendered timestamped text, the stage's verdict of its
+    decode or None) per chunk, in order. The verdict (``window_scores.window_report``) gives each
+    segment its window's temperature, avg_logprob, compression_ratio and no_speech_prob, as
+    openai-whisper; without one the temperature is the request's and the two log-probability
+    fields are left out (unknown).
     ``encode(text) -> token ids`` (the served model's tokenizer) fills ``tokens`` with the
     segment's text tokens between its two timestamp tokens, as openai-whisper lists them; without
     it ``tokens`` is empty. ``seek`` is the chunk's start in mel frames (10 ms), as in openai-whisper.
     Times are rounded to the millisecond the subtitle writers print.
     """
     segments: list[dict] = []
-    for offset, duration, rendered in chunks:
+    for offset, duration, rendered, report in chunks:
         window_text = _TIMESTAMP.sub("", rendered)
-        ratio = round(compression_ratio(window_text), 4)
+        stats = {"temperature": float(temperature), "compression_ratio": round(compression_ratio(window_text), 4)}
+        if report is not None:
+            stats = {"temperature": float(report["temperature"]), "avg_logprob": float(report["avg_logprob"]),
+                     "compression_ratio": round(report["compression_ratio"], 4)}
+            if report.get("no_speech_prob") is not None:
+                stats["no_speech_prob"] = float(report["no_speech_prob"])
         for seg in parse_chunk_segments(rendered, duration):
             tokens: list[int] = []
             if encode is not None:
@@ -98,7 +107,6 @@ def verbose_segments(chunks: list[tuple[float, float, str]], *, temperature: flo
                 "end": round(offset + seg.end, 3),
                 "text": seg.text.strip(),
                 "tokens": tokens,
-                "temperature": float(temperature),
-                "compression_ratio": ratio,
+                **stats,
             })
     return segments

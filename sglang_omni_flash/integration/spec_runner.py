@@ -47,6 +47,7 @@ from sglang_omni_flash.flash.tree import DraftTree, build_tree, greedy_tree_acce
 from sglang_omni_flash.integration.metrics import SpecMetrics
 from sglang_omni_flash.integration.timestamp_rows import TimestampRows, is_timestamped
 from sglang_omni_flash.integration.verify import VerifyRow, verify_forward
+from sglang_omni_flash.integration.window_scores import ScoringRunnerMixin
 
 logger = logging.getLogger("sglang_omni_flash.spec")
 
@@ -161,7 +162,7 @@ def _temperature(req) -> float:
     return 0.0 if sp.top_k == 1 or sp.temperature < 1e-6 else float(sp.temperature)
 
 
-class WhisperFlashModelRunner(ModelRunner):
+class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
     """sglang-omni's ASR model runner with Whisper-Flash speculative decode steps."""
 
     def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, num_draft_tokens: int,
@@ -275,13 +276,16 @@ class WhisperFlashModelRunner(ModelRunner):
     # ------------------------------------------------------------------------------ prefill
 
     def before_prefill(self, forward_batch, schedule_batch, requests) -> None:
+        super().before_prefill(forward_batch, schedule_batch, requests)
         self.tap.arm()
 
     def cleanup_prefill(self, forward_batch, schedule_batch, requests) -> None:
         # runs right after the forward (also on failure), before post_prefill
+        super().cleanup_prefill(forward_batch, schedule_batch, requests)
         self._prefill_capture = self.tap.disarm()
 
     def post_prefill(self, result, forward_batch, schedule_batch, requests) -> None:
+        super().post_prefill(result, forward_batch, schedule_batch, requests)
         states, encoder = self._prefill_capture
         self._prefill_capture = (None, [])
         reqs = schedule_batch.reqs
@@ -515,6 +519,7 @@ class WhisperFlashModelRunner(ModelRunner):
                     a, nxt = j, accepted[j]
                     break
             accepted, path = accepted[:a], path[:a]
+            self.add_verified(req.rid, logits, [0, *path], [*accepted, nxt])  # token j verified by row [0, *path][j]
             if p.k:
                 if p.tree is not None:  # positions L+1..L+a now map to the accepted nodes' slots
                     pos0 = enc_lens[p.index] + p.prefix_len + 1

@@ -3,10 +3,10 @@
 With ``speculative="whisper-flash"`` it builds ``WhisperFlashSpecEngineBuilder`` (the
 Whisper-Flash decode worker) with the drafter ``drafter_source.resolve_drafter`` picks; a
 drafter that does not fit the target is refused here, before anything is loaded. Without
-``speculative`` and for multilingual checkpoints it is sglang-omni's
-``create_sglang_whisper_asr_executor`` called with the very same kwargs, except on a CPU and
-for English-only (``.en``) checkpoints: they get the plugin builder, which fixes the ``.en``
-prompt prefix (``english_only.py``) and gives a CPU its decode step (``cpu_decode.py``). The
+``speculative`` it is the plugin builder, which scores windows for temperature fallback
+(``window_scores.py``), fixes the ``.en`` prompt prefix (``english_only.py``) and gives a CPU its
+decode step (``cpu_decode.py``); only a multilingual checkpoint on CUDA with fallback off gets
+sglang-omni's ``create_sglang_whisper_asr_executor`` with the very same kwargs. The
 stage worker imports this module by its dotted path (``StageConfig.factory_path``), so it needs
 no registration of its own.
 """
@@ -37,8 +37,16 @@ def create_whisper_flash_asr_executor(
     speculative_tree_nodes: int | None = None,
     speculative_tree_min_prob: float | None = None,
     speculative_pace: bool | None = None,
+    temperature_fallback: bool = True,
+    compression_ratio_threshold: float = 2.4,
+    logprob_threshold: float = -1.0,
+    no_speech_threshold: float = 0.6,
     **stock_kwargs,
 ):
+    from sglang_omni_flash.integration.window_scores import FallbackPolicy
+
+    fallback = FallbackPolicy(enabled=temperature_fallback, compression_ratio_threshold=compression_ratio_threshold,
+                              logprob_threshold=logprob_threshold, no_speech_threshold=no_speech_threshold)
     if speculative is not None:
         from sglang_omni_flash.integration.drafter_source import resolve_drafter
         from sglang_omni_flash.integration.engine_builder import WhisperFlashSpecEngineBuilder, build_executor
@@ -50,15 +58,16 @@ def create_whisper_flash_asr_executor(
                             "min_draft_prob": speculative_min_draft_prob,
                             "drafter_int8": speculative_drafter_int8,
                             "tree_nodes": speculative_tree_nodes, "tree_min_prob": speculative_tree_min_prob,
-                            "pace": speculative_pace},
+                            "pace": speculative_pace, "fallback": fallback},
             **stock_kwargs,
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
 
-    if checkpoint_is_english_only(model_path) or _on_cpu(stock_kwargs):
+    if temperature_fallback or checkpoint_is_english_only(model_path) or _on_cpu(stock_kwargs):
         from sglang_omni_flash.integration.engine_builder import WhisperFlashEngineBuilder, build_executor
 
-        return build_executor(WhisperFlashEngineBuilder, model_path, gpu_id=gpu_id, **stock_kwargs)
+        return build_executor(WhisperFlashEngineBuilder, model_path, gpu_id=gpu_id,
+                              builder_kwargs={"fallback": fallback}, **stock_kwargs)
 
     from sglang_omni.models.whisper_asr.stages import create_sglang_whisper_asr_executor
 

@@ -18,7 +18,10 @@ the two stock POST routes:
   timestamp): without it Whisper's habit of stopping early in timestamp mode drops whole
   sentences from subtitles. At most ``MAX_RESUMES`` times per chunk;
 * ``/v1/audio/translations`` of long audio in json/text goes through the same chunk runner;
-* every other request (json/text of short audio, streams) reaches the stock route unchanged;
+* temperature fallback (a request at temperature 0 or none, when the stage has it on): json/text
+  take this path too, and each window the stage judged too repetitive or unsure is decoded again
+  at the next temperature, a silent one answers empty text (``_ChunkClient``, ``window_scores``);
+* every other request (json/text with a temperature, streams) reaches the stock route unchanged;
 * both routes treat ``model`` alike: the served model answers whatever name is sent.
 
 Streaming keeps sglang-omni's rules (``stream=true`` with srt or vtt is a 400, from
@@ -44,6 +47,7 @@ logger = logging.getLogger("sglang_omni_flash.timestamped_routes")
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
 TRANSLATIONS = "/v1/audio/translations"
 TIMESTAMPED_FORMATS = frozenset({"srt", "vtt", "verbose_json"})
+PLAIN_FORMATS = frozenset({"json", "text"})
 INSTALLED_FLAG = "_sglang_omni_flash_timestamped_routes"
 SAMPLE_RATE = 16000
 MAX_RESUMES = 2  # re-decodes of one chunk's tail after an early stop
@@ -61,6 +65,7 @@ class Piece:
     rendered: str
     start_sample: int
     end_sample: int
+    report: dict | None = None  # the stage's verdict of the kept decode (window_scores.window_report)
 
 
 def resume_at(piece: Piece, waveform) -> int | None:
@@ -83,39 +88,71 @@ def resume_at(piece: Piece, waveform) -> int | None:
 class _ChunkClient:
     """The app's pipeline client, seen by sglang-omni's chunk runner: each chunk request gets this
     route's task and timestamp flag, and the runner gets back the chunk's plain text (what it
-    joins and conditions on) while the timestamped text is kept here by request id."""
+    joins and conditions on) while the timestamped text is kept here by request id.
 
-    def __init__(self, client, *, task: str, timestamps: bool):
+    With ``fallback`` (a request at temperature 0), a window the stage judged too repetitive or
+    too unsure (its verdict rides in ``omni_rollout``, ``window_scores``) is decoded again at the
+    verdict's next temperature until one passes or the ladder ends; the last decode is kept, as
+    in openai-whisper. A window judged silence answers empty text.
+    """
+
+    def __init__(self, client, *, task: str, timestamps: bool, fallback: bool = False):
         self._client = client
         self._task = task
         self._timestamps = timestamps
+        self._fallback = fallback
         self.rendered: dict[str, str] = {}
+        self.reports: dict[str, dict] = {}  # the kept decode's verdict, by chunk request id
         self.language: str | None = None
+        self._retrying: dict[str, str] = {}  # chunk request id -> the id of its retry in flight
 
     async def completion(self, gen_req, request_id: str):
+        from sglang_omni_flash.integration.window_scores import ATTEMPT_PARAM, REPORT_KEY
+
         params = dict(gen_req.extra_params or {})
         params["task"] = self._task
         if self._timestamps:
             params["segment_timestamps"] = True
-        result = await self._client.completion(dataclasses.replace(gen_req, extra_params=params),
-                                               request_id=request_id)
-        self.rendered[request_id] = result.text
+        request, rid = dataclasses.replace(gen_req, extra_params=params), request_id
+        result = await self._client.completion(request, request_id=rid)
+        report = (result.omni_rollout or {}).get(REPORT_KEY)
+        no_speech = report and report["no_speech_prob"]
+        try:
+            while self._fallback and report and report["retry"] and report["next_temperature"] is not None:
+                attempt = report["attempt"] + 1
+                sampling = dataclasses.replace(request.sampling, temperature=report["next_temperature"])
+                retry = dataclasses.replace(request, sampling=sampling, extra_params={**params, ATTEMPT_PARAM: attempt})
+                rid = self._retrying[request_id] = f"{request_id}-fallback{attempt}"
+                result = await self._client.completion(retry, request_id=rid)
+                report = (result.omni_rollout or {}).get(REPORT_KEY)
+        finally:
+            self._retrying.pop(request_id, None)
+        if report is not None:
+            if report["no_speech_prob"] is None:  # a retry served from the prefix cache: same SOT row
+                report = {**report, "no_speech_prob": no_speech}
+            self.reports[request_id] = report
+        text = "" if report is not None and report["silence"] else result.text
+        self.rendered[request_id] = text
         self.language = self.language or result.language
         if not self._timestamps:
-            return result
+            return dataclasses.replace(result, text=text)
         from sglang_omni.serve.transcription_adapters.whisper_asr import WhisperASRAdapter
 
-        return dataclasses.replace(result, text=WhisperASRAdapter().postprocess_text(result.text))
+        return dataclasses.replace(result, text=WhisperASRAdapter().postprocess_text(text))
 
     async def abort(self, request_id: str):
+        retry = self._retrying.get(request_id)
+        if retry is not None:
+            await self._client.abort(retry)
         return await self._client.abort(request_id)
 
-    def chunk_texts(self, plan, request_id: str) -> list[str]:
-        """Rendered text per span (the retry's, where the runner retried one), "" for silence."""
+    def chunk_texts(self, plan, request_id: str) -> list[tuple[str, dict | None]]:
+        """(rendered text, verdict) per span (the runner's retry's, where it retried one), ("", None) for silence."""
         out = []
         for span in plan.spans:
             rid = f"{request_id}-chunk-{span.index}"
-            out.append(self.rendered.get(f"{rid}-retry", self.rendered.get(rid, "")))
+            rid = f"{rid}-retry" if f"{rid}-retry" in self.rendered else rid
+            out.append((self.rendered.get(rid, ""), self.reports.get(rid)))
         return out
 
 
@@ -160,7 +197,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went aw
 
 
 async def _decode_chunks(request: Request, app: FastAPI, form, *, task: str, timestamps: bool,
-                         request_id: str, audio_bytes: bytes, duration_s: float):
+                         request_id: str, audio_bytes: bytes, duration_s: float, fallback: bool = False):
     """(plan, decoded pieces in order, language) of an upload, long or short."""
     from sglang_omni.client import ClientError
     from sglang_omni.serve import speech_to_text
@@ -199,9 +236,9 @@ async def _decode_chunks(request: Request, app: FastAPI, form, *, task: str, tim
                 content_type="audio/wav", model=model, request_id=request_id)
         adapter = speech_to_text.resolve_speech_to_text_adapter(getattr(app.state, "architectures", None))
 
-        async def run(spans, suffix: str) -> list[str]:
-            """Rendered text per span, through sglang-omni's chunk runner."""
-            client = _ChunkClient(app.state.client, task=task, timestamps=timestamps)
+        async def run(spans, suffix: str) -> list[tuple[str, dict | None]]:
+            """(rendered text, verdict) per span, through sglang-omni's chunk runner."""
+            client = _ChunkClient(app.state.client, task=task, timestamps=timestamps, fallback=fallback)
             sub = ChunkPlan(sample_rate=plan.sample_rate, duration_s=plan.duration_s, spans=spans,
                             waveform=plan.waveform)
             rid = f"{request_id}{suffix}"
@@ -226,8 +263,8 @@ async def _decode_chunks(request: Request, app: FastAPI, form, *, task: str, tim
             return client.chunk_texts(sub, rid)
 
         detected = None
-        pieces = [Piece(s.start_s, s.duration_s, text, s.start_sample, s.end_sample)
-                  for s, text in zip(plan.spans, await run(plan.spans, ""))]
+        pieces = [Piece(s.start_s, s.duration_s, text, s.start_sample, s.end_sample, report)
+                  for s, (text, report) in zip(plan.spans, await run(plan.spans, ""))]
         for attempt in range(MAX_RESUMES if timestamps else 0):
             starts = {i: resume_at(p, plan.waveform) for i, p in enumerate(pieces)}
             starts = {i: at for i, at in starts.items() if at is not None}
@@ -237,8 +274,8 @@ async def _decode_chunks(request: Request, app: FastAPI, form, *, task: str, tim
                                start_s=at / plan.sample_rate, end_s=pieces[i].end_sample / plan.sample_rate)
                      for n, (i, at) in enumerate(starts.items())]
             texts = await run(tails, f"-resume{attempt}")
-            for span, text in zip(tails, texts):
-                pieces.append(Piece(span.start_s, span.duration_s, text, span.start_sample, span.end_sample))
+            for span, (text, report) in zip(tails, texts):
+                pieces.append(Piece(span.start_s, span.duration_s, text, span.start_sample, span.end_sample, report))
             # a resumed piece's tail is its own piece now: cut the parent there
             for i, at in starts.items():
                 pieces[i] = dataclasses.replace(pieces[i], end_sample=at,
@@ -266,7 +303,7 @@ def _respond(fmt: str, *, task: str, plan, pieces: list[Piece], language: str | 
             return PlainTextResponse(text)
         return JSONResponse({"text": text, **({"usage": usage} if usage else {})})
     encode, timestamp_begin = _token_encoder() if fmt == "verbose_json" else (None, None)
-    chunks = [(p.start_s, p.duration_s, p.rendered) for p in pieces]
+    chunks = [(p.start_s, p.duration_s, p.rendered, p.report) for p in pieces]
     segments = verbose_segments(chunks, temperature=temperature or 0.0, encode=encode,
                                 timestamp_begin=timestamp_begin)
     if fmt in ("srt", "vtt"):
@@ -299,6 +336,12 @@ def install_on(app: FastAPI) -> FastAPI:
 
     from sglang_omni.serve import speech_to_text
 
+    def falls_back(form) -> bool:
+        """openai-whisper's temperature fallback: at temperature 0 (or none), when the stage has it on."""
+        from sglang_omni_flash.integration.config import served_fallback
+
+        return not form.temperature and served_fallback()
+
     stock_transcriptions = _stock_endpoint(app, TRANSCRIPTIONS)
     stock_translations = _stock_endpoint(app, TRANSLATIONS)
 
@@ -307,7 +350,7 @@ def install_on(app: FastAPI) -> FastAPI:
         try:
             plan, pieces, language = await _decode_chunks(
                 request, app, form, task=task, timestamps=timestamps, request_id=f"{task}-{uuid.uuid4()}",
-                audio_bytes=audio_bytes, duration_s=duration_s)
+                audio_bytes=audio_bytes, duration_s=duration_s, fallback=falls_back(form))
         except asyncio.CancelledError:
             # the client hung up: its chunks were aborted and nobody reads an answer; let the request end
             # quietly instead of as an "Exception in ASGI application" with a traceback (server shutdown
@@ -329,10 +372,11 @@ def install_on(app: FastAPI) -> FastAPI:
         form: speech_to_text.SpeechToTextForm = Depends(speech_to_text.parse_speech_to_text_form),
     ) -> Response:
         fmt = form.response_format.strip().lower()
-        if form.stream or fmt not in TIMESTAMPED_FORMATS:
+        if form.stream or fmt not in TIMESTAMPED_FORMATS | PLAIN_FORMATS or (
+                fmt in PLAIN_FORMATS and not falls_back(form)):
             return await stock_transcriptions(request=request, form=form)
         audio_bytes, duration_s = await read_upload(form)
-        return await timed(request, form, task="transcribe", fmt=fmt, timestamps=True,
+        return await timed(request, form, task="transcribe", fmt=fmt, timestamps=fmt in TIMESTAMPED_FORMATS,
                            audio_bytes=audio_bytes, duration_s=duration_s)
 
     @app.post(TRANSLATIONS)
@@ -349,7 +393,8 @@ def install_on(app: FastAPI) -> FastAPI:
         from sglang_omni.serve.transcription_chunking import needs_chunking
 
         timestamps = fmt in TIMESTAMPED_FORMATS
-        if not timestamps and not needs_chunking(duration_s, app.state.audio_chunking):
+        if not timestamps and not (fmt in PLAIN_FORMATS and falls_back(form)) and not needs_chunking(
+                duration_s, app.state.audio_chunking):
             return await stock_translations(request=request, form=form)
         return await timed(request, form, task="translate", fmt=fmt, timestamps=timestamps,
                            audio_bytes=audio_bytes, duration_s=duration_s)
