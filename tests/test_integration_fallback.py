@@ -1,9 +1,11 @@
-"""Temperature fallback on the real `sgl-omni serve` (CPU, converted tiny.en, shipped drafter).
+"""Temperature fallback on the real `sgl-omni serve` (CPU, converted tiny.en), with the shipped
+drafter and without speculation.
 
-The server runs with ``--asr.logprob_threshold 0``: every window is "unsure", so each climbs
-openai-whisper's whole ladder (0.2 .. 1.0) through the speculative worker's sampling path, and
+Each server runs with ``--asr.logprob_threshold 0``: every window is "unsure", so each climbs
+openai-whisper's whole ladder (0.2 .. 1.0) (under speculation: through the worker's rejection rule), and
 a window is silence as soon as its <|nospeech|> probability is above 0.6. Clean speech at the
-default thresholds (no fallback, scores equal to the engine's): tests/test_integration_spec_server.py.
+default thresholds: no retry and transformers' greedy text (tests/test_serve_e2e.py), scores equal
+to the engine's (tests/test_integration_spec_server.py).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from sglang_omni_flash.serving.launch import ServeOptions
 pytestmark = pytest.mark.server
 
 
-@pytest.fixture(scope="module")
-def server(tiny_en_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fallback") / "sgl-omni.log"
+@pytest.fixture(scope="module", params=["flash", "plain"])
+def server(request, tiny_en_model_dir, tmp_path_factory):
+    """The speculative worker (retries through the rejection rule) and the plain one."""
+    log = tmp_path_factory.mktemp(f"fallback-{request.param}") / "sgl-omni.log"
     srv = started_server(ServeOptions(dtype="float32", model=str(tiny_en_model_dir), port=free_port(), log_file=log,
-                                      speculative="on", extra_args=("--asr.logprob_threshold", "0")))
+                                      speculative="on" if request.param == "flash" else "off",
+                                      extra_args=("--asr.logprob_threshold", "0")))
     yield srv
     srv.stop()
 
@@ -46,6 +50,11 @@ def fallback_stats(server) -> dict:
     return requests.get(f"{server.url}/whisper-flash/stats", timeout=30).json()["fallback"]
 
 
+def proposed_tokens(server) -> int | None:
+    totals = requests.get(f"{server.url}/whisper-flash/stats", timeout=30).json().get("totals")
+    return None if totals is None else totals["proposed_tokens"]
+
+
 def before_at(stats: dict) -> float:
     return max((w["at"] for w in stats["recent"]), default=0.0)
 
@@ -61,11 +70,12 @@ def noise_wav(seconds: float = 5.0) -> bytes:
 
 def test_an_unsure_window_climbs_the_whole_ladder(server, clip):
     """verbose_json: the kept decode is the last rung's (temperature 1.0, OpenAI's segment fields
-    filled); the stage counted one retry per rung for this window, each a sampled decode that
-    drafted and verified (the rejection rule)."""
-    before = fallback_stats(server)
+    filled); the stage counted one retry per rung for this window."""
+    before, proposed = fallback_stats(server), proposed_tokens(server)
     body = post(server, clip.audio.read_bytes(), response_format="verbose_json").json()
     after = fallback_stats(server)
+    if proposed is not None:  # the speculative worker drafted for these (sampled) decodes
+        assert proposed_tokens(server) > proposed
     assert body["segments"] and body["text"].strip()
     for seg in body["segments"]:
         assert seg["temperature"] == LADDER[-1]

@@ -132,6 +132,16 @@ def test_bad_audio_is_a_clear_4xx_and_the_server_keeps_serving(server, clips, re
     assert resp.status_code == 200 and resp.json()["text"].strip() == reference_texts[clips[0].id]
 
 
+def test_fallback_judged_every_window_and_retried_none_of_this_clean_speech(server, clips, reference_texts):
+    """The default server falls back (temperature 0): every answer above was judged by the stage,
+    none needed a retry, so each is the greedy decode transformers gives."""
+    for clip in clips[:2]:  # at least these, whatever ran before
+        assert transcribe(server, clip, response_format="json").json()["text"].strip() == reference_texts[clip.id]
+    fallback = requests.get(f"{server.url}/whisper-flash/stats", timeout=30).json()["fallback"]
+    assert fallback["windows"] >= 2 and fallback["retries"] == 0 and fallback["silent_windows"] == 0, fallback
+    assert all(w["verdict"] == "ok" and w["temperature"] == 0.0 for w in fallback["recent"])
+
+
 def test_stop_by_pid_leaves_no_process(base_model_dir, tmp_path):
     """A second server on another port starts, serves /health, and is gone after stop()."""
     options = ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=tmp_path / "log")
