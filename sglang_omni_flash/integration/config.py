@@ -61,7 +61,8 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # (gzip ratio above compression_ratio_threshold) or too unsure (average log-probability below
     # logprob_threshold) decoded again at 0.2, 0.4 .. 1.0. A window whose <|nospeech|> probability is
     # above no_speech_threshold while it is also unsure is silence: empty text. A check is switched
-    # off by a threshold it cannot cross (inf, -inf, 1).
+    # off by a threshold it cannot cross (inf, -inf, 1); temperature_fallback false switches off both
+    # the retries and the silence (json/text then take the stock route).
     temperature_fallback: bool = True
     compression_ratio_threshold: float = 2.4
     logprob_threshold: float = -1.0

@@ -44,7 +44,7 @@ ATTEMPT_PARAM = "whisper_flash_attempt"  # request param: 0 for a first decode, 
 class FallbackPolicy:
     """The ASR stage's temperature fallback (openai-whisper's defaults; a None threshold is off)."""
 
-    enabled: bool = True  # retries; the no-speech check is on while its threshold is set
+    enabled: bool = True  # False: every window is answered as first decoded (no retry, no silence)
     temperatures: tuple[float, ...] = LADDER  # after 0, in order
     compression_ratio_threshold: float | None = 2.4
     logprob_threshold: float | None = -1.0
@@ -200,7 +200,7 @@ def window_report(*, text: str, score: WindowScore | None, temperature: float, a
         "avg_logprob": verdict.avg_logprob,
         "compression_ratio": verdict.compression_ratio,
         "no_speech_prob": verdict.no_speech_prob,
-        "silence": verdict.silence,  # openai-whisper skips such a window at any temperature
+        "silence": policy.enabled and verdict.silence,  # at any temperature, as openai-whisper skips it
         "retry": retry,
         "next_temperature": policy.next_temperature(temperature) if retry else None,
     }
