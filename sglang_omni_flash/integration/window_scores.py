@@ -23,7 +23,6 @@ Scores are bookkeeping only: no token, slot or draft depends on them.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ import torch
 from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.engine.fallback import LADDER, judge
-
-logger = logging.getLogger("sglang_omni_flash.fallback")
 
 MAX_SCORED_REQUESTS = 4096  # a request that never reaches the result adapter cannot grow the table
 REPORT_KEY = "whisper_flash"  # omni_rollout[REPORT_KEY]: the window's verdict
