@@ -49,3 +49,18 @@ def judge(text: str, sum_logprob: float, n_tokens: int, no_speech_prob: float | 
                and no_speech_prob > no_speech_threshold and unsure)
     repetitive = compression_ratio_threshold is not None and ratio > compression_ratio_threshold
     return Verdict(avg, ratio, no_speech_prob, silence, retry=not silence and (repetitive or unsure))
+
+
+@dataclass(frozen=True)
+class FallbackPolicy:
+    """The ASR stage's temperature fallback: openai-whisper's defaults, which its `--asr.` fields take
+    (``integration/config.py``); a None threshold is off."""
+
+    enabled: bool = True  # False: every window is answered as first decoded (no retry, no silence)
+    temperatures: tuple[float, ...] = LADDER  # after 0, in order
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+
+    def next_temperature(self, temperature: float) -> float | None:
+        return next((t for t in self.temperatures if t > temperature + 1e-6), None)

@@ -22,8 +22,10 @@ from sglang_omni.models.whisper_asr.config import (
     WhisperASRStageConfig,
 )
 
+from sglang_omni_flash.engine.fallback import FallbackPolicy
 from sglang_omni_flash.integration.metrics import ROUTE_PREFIX as METRICS_ROUTE
 
+_FALLBACK = FallbackPolicy()  # openai-whisper's defaults
 FACTORY_PATH = "sglang_omni_flash.integration.stages.create_whisper_flash_asr_executor"
 SPECULATIVE_ALGORITHMS = ("whisper-flash",)
 
@@ -63,10 +65,10 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # above no_speech_threshold while it is also unsure is silence: empty text. A check is switched
     # off by a threshold it cannot cross (inf, -inf, 1); temperature_fallback false switches off both
     # the retries and the silence (json/text then take the stock route).
-    temperature_fallback: bool = True
-    compression_ratio_threshold: float = 2.4
-    logprob_threshold: float = -1.0
-    no_speech_threshold: float = Field(default=0.6, le=1.0)
+    temperature_fallback: bool = _FALLBACK.enabled
+    compression_ratio_threshold: float = _FALLBACK.compression_ratio_threshold
+    logprob_threshold: float = _FALLBACK.logprob_threshold
+    no_speech_threshold: float = Field(default=_FALLBACK.no_speech_threshold, le=1.0)
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -114,7 +116,6 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
             "speculative_tree_nodes": self.speculative_tree_nodes,
             "speculative_tree_min_prob": self.speculative_tree_min_prob,
         }
-
 
     def fallback_options(self) -> dict[str, object]:
         """The factory kwargs of the fallback fields (always passed: the plugin's factory takes them)."""

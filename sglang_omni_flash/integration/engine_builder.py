@@ -34,7 +34,7 @@ logger = logging.getLogger("sglang_omni_flash.spec")
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
     def __init__(self, *, fallback=None, **stock):
         from sglang_omni_flash.integration.metrics import FallbackMetrics
-        from sglang_omni_flash.integration.window_scores import FallbackPolicy
+        from sglang_omni_flash.engine.fallback import FallbackPolicy
 
         super().__init__(**stock)
         self.fallback = fallback if fallback is not None else FallbackPolicy()

@@ -86,9 +86,10 @@ def verbose_segments(chunks: list[tuple[float, float, str, dict | None]], *, tem
     """
     segments: list[dict] = []
     for offset, duration, rendered, report in chunks:
-        window_text = _TIMESTAMP.sub("", rendered)
-        stats = {"temperature": float(temperature), "compression_ratio": round(compression_ratio(window_text), 4)}
-        if report is not None:
+        if report is None:
+            stats = {"temperature": float(temperature),
+                     "compression_ratio": round(compression_ratio(_TIMESTAMP.sub("", rendered)), 4)}
+        else:
             stats = {"temperature": float(report["temperature"]), "avg_logprob": float(report["avg_logprob"]),
                      "compression_ratio": round(report["compression_ratio"], 4)}
             if report.get("no_speech_prob") is not None:

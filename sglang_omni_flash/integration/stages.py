@@ -37,16 +37,17 @@ def create_whisper_flash_asr_executor(
     speculative_tree_nodes: int | None = None,
     speculative_tree_min_prob: float | None = None,
     speculative_pace: bool | None = None,
-    temperature_fallback: bool = True,
-    compression_ratio_threshold: float = 2.4,
-    logprob_threshold: float = -1.0,
-    no_speech_threshold: float = 0.6,
+    temperature_fallback: bool | None = None,
+    compression_ratio_threshold: float | None = None,
+    logprob_threshold: float | None = None,
+    no_speech_threshold: float | None = None,
     **stock_kwargs,
 ):
-    from sglang_omni_flash.integration.window_scores import FallbackPolicy
+    from sglang_omni_flash.engine.fallback import FallbackPolicy
 
-    fallback = FallbackPolicy(enabled=temperature_fallback, compression_ratio_threshold=compression_ratio_threshold,
-                              logprob_threshold=logprob_threshold, no_speech_threshold=no_speech_threshold)
+    given = {"enabled": temperature_fallback, "compression_ratio_threshold": compression_ratio_threshold,
+             "logprob_threshold": logprob_threshold, "no_speech_threshold": no_speech_threshold}
+    fallback = FallbackPolicy(**{k: v for k, v in given.items() if v is not None})  # unset: openai-whisper's
     if speculative is not None:
         from sglang_omni_flash.integration.drafter_source import resolve_drafter
         from sglang_omni_flash.integration.engine_builder import WhisperFlashSpecEngineBuilder, build_executor
@@ -63,7 +64,7 @@ def create_whisper_flash_asr_executor(
         )
     from sglang_omni_flash.integration.english_only import checkpoint_is_english_only
 
-    if temperature_fallback or checkpoint_is_english_only(model_path) or _on_cpu(stock_kwargs):
+    if fallback.enabled or checkpoint_is_english_only(model_path) or _on_cpu(stock_kwargs):
         from sglang_omni_flash.integration.engine_builder import WhisperFlashEngineBuilder, build_executor
 
         return build_executor(WhisperFlashEngineBuilder, model_path, gpu_id=gpu_id,

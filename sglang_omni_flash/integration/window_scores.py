@@ -30,25 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.engine.fallback import LADDER, judge
+from sglang_omni_flash.engine.fallback import FallbackPolicy, judge
 
 MAX_SCORED_REQUESTS = 4096  # a request that never reaches the result adapter cannot grow the table
 REPORT_KEY = "whisper_flash"  # omni_rollout[REPORT_KEY]: the window's verdict
 ATTEMPT_PARAM = "whisper_flash_attempt"  # request param: 0 for a first decode, n for the n-th retry
-
-
-@dataclass(frozen=True)
-class FallbackPolicy:
-    """The ASR stage's temperature fallback (openai-whisper's defaults; a None threshold is off)."""
-
-    enabled: bool = True  # False: every window is answered as first decoded (no retry, no silence)
-    temperatures: tuple[float, ...] = LADDER  # after 0, in order
-    compression_ratio_threshold: float | None = 2.4
-    logprob_threshold: float | None = -1.0
-    no_speech_threshold: float | None = 0.6
-
-    def next_temperature(self, temperature: float) -> float | None:
-        return next((t for t in self.temperatures if t > temperature + 1e-6), None)
 
 
 @dataclass
