@@ -72,6 +72,7 @@ def spec(base_model_dir, clips, plain, tmp_path_factory):
 def test_both_stages_ran_in_bf16_with_the_cpu_decode_step(plain, spec):
     for *_, log in (plain, spec):
         assert "CPU decode step" in log and "torch.bfloat16" in log, log[-3000:]
+        assert "waits on request builds" in log, log[-3000:]  # integration/idle_wait.py
 
 
 def test_bf16_speculative_output_is_identical_to_bf16_plain(plain, spec, clips):

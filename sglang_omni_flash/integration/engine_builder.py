@@ -42,7 +42,10 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
         self.runner = None
 
     def build(self, *args, **kwargs):
+        from sglang_omni_flash.integration.idle_wait import install as wait_on_builds
+
         scheduler = super().build(*args, **kwargs)
+        wait_on_builds(scheduler)
         runner, fallback = self.runner, self.fallback_metrics
 
         def http_app():  # the stage serves it under the http_routes its config lists (metrics.py)
