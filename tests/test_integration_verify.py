@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_omni_flash.integration.cpu_decode import attend_row, slot_run
+from sglang_omni_flash.integration import cpu_decode
+from sglang_omni_flash.integration.cpu_decode import EncoderKeys, attend_row, attend_rows, slot_run
 
 
 def test_slot_run_slices_only_one_ascending_run():
@@ -52,6 +53,64 @@ def test_a_verify_rows_attention_is_the_decode_steps(dtype):
     as_verified = attend_row(q, pool_k[visible], pool_v[visible], 0.125)
     as_a_step = attend_row(q, pool_k[10:18].clone(), pool_v[10:18].clone(), 0.125)  # the accepted path, laid out
     assert torch.equal(as_verified, as_a_step)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["row-kernel", "sdpa-fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_gives_each_verify_row_the_bits_of_its_decode_step(dtype, kernel, monkeypatch):
+    """What the server's decode step and verify pass both call (attend_rows): a chain's rows (limits)
+    and a tree's nodes (mask) over the pool, all rows in one call, equal one-row calls over just the
+    keys each row sees, laid out as a plain decode step would have them; a cached transposed key
+    block (the encoder keys) gives the same bits as the pool's keys."""
+    if not kernel:
+        monkeypatch.setattr(cpu_decode.row_kernel, "available", lambda: False)
+    from sglang_omni_flash.integration.verify import VerifyRow
+
+    g = torch.Generator().manual_seed(4)
+    pool_k = torch.randn(64, 8, 64, generator=g).to(dtype)
+    pool_v = torch.randn(64, 8, 64, generator=g).to(dtype)
+    q = torch.randn(4, 8, 64, generator=g).to(dtype)
+    k, v = pool_k[10:19], pool_v[10:19]  # prefix 10..14, then four new rows
+    chain = attend_rows(q, k, v, 0.125, limits=[6, 7, 8, 9])
+    for r in range(4):
+        step = attend_rows(q[r: r + 1], pool_k[10:16 + r].clone(), pool_v[10:16 + r].clone(), 0.125)
+        assert torch.equal(chain[r], step[0]), r
+
+    tree = VerifyRow(row=0, encoder_len=0, prefix_len=5, tokens=(1, 2, 3, 4), depths=(1, 2, 1), parents=(0, 1, 0))
+    nodes = attend_rows(q, k, v, 0.125, mask=tree.mask("cpu"))
+    prefix_and_anchor = list(range(10, 16))
+    for r, below in enumerate(([], [16], [16, 17], [18])):  # the slots of each node's path below the anchor
+        seen = prefix_and_anchor + below
+        step = attend_rows(q[r: r + 1], pool_k[seen].clone(), pool_v[seen].clone(), 0.125)
+        assert torch.equal(nodes[r], step[0]), r
+
+    whole = attend_rows(q, k, v, 0.125)
+    cached = attend_rows(q, k, v, 0.125, kt=k.permute(1, 2, 0).contiguous())
+    assert torch.equal(whole, cached)
+
+
+def test_encoder_keys_are_transposed_once_and_forgotten_when_their_slots_are_written():
+    pool = torch.randn(4000, 8, 64)
+    keys = EncoderKeys()
+    kt = keys.transposed(layer_id=6, kbuf=pool, first=100, length=1500)
+    assert torch.equal(kt, pool[100:1600].permute(1, 2, 0)) and kt.is_contiguous()
+    assert keys.transposed(6, pool, 100, 1500) is kt  # kept: the next step reuses it
+    other = keys.transposed(7, pool, 100, 1500)
+    keys.written(6, torch.arange(2000, 3500))  # another request's slots: nothing of layer 6 overlaps
+    assert keys.transposed(6, pool, 100, 1500) is kt
+    pool[1599] += 1.0  # a new request's encoder states land on (some of) these slots ...
+    keys.written(6, torch.arange(1599, 3099))  # ... and the write is announced
+    fresh = keys.transposed(6, pool, 100, 1500)
+    assert fresh is not kt and torch.equal(fresh, pool[100:1600].permute(1, 2, 0))
+    assert keys.transposed(7, pool, 100, 1500) is other  # other layers' planes were not written
+
+    small = EncoderKeys(max_bytes=2 * kt.numel() * 4)  # room for two blocks: the least recently used goes
+    a = small.transposed(6, pool, 0, 1500)
+    small.transposed(7, pool, 0, 1500)
+    small.transposed(6, pool, 0, 1500)  # a used again
+    small.transposed(8, pool, 0, 1500)
+    assert small.transposed(6, pool, 0, 1500) is a and (7, 0, 1500) not in small.entries
+    assert small.bytes == sum(t.numel() * 4 for t in small.entries.values())
 
 
 def test_tree_rows_have_depth_positions_and_ancestor_masks():

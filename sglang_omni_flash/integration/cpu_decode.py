@@ -11,25 +11,31 @@ alike) changes how the step is computed, not what:
 
 * every `nn.Linear` of the decoder and the tied head run through their `frozen_copy` (packed once;
   the same kernel at any row count, no single-row special case);
-* decode-mode attention (self and cross) runs one query row at a time through `attend_row`, over
-  the row's keys gathered by slot (self) or sliced (cross: a request's encoder slots are one run).
+* decode-mode attention (self and cross) runs through `attend_rows`: the row-invariant kernel of
+  kernels/attention.py, whose every row is a fixed sequence of operations over the keys it sees. It
+  wants keys transposed (contiguous over keys); a request's encoder keys are transposed once per
+  cross layer and kept (`EncoderKeys`) until the pool slots they came from are written again.
 
 The verify pass of the Whisper-Flash decode worker (verify.py) calls the same `frozen_copy` linears
-and the same `attend_row` for each of its rows, over the keys that row would see in a plain step, so
-a verified row reproduces the bits of the plain step at that position: speculative output equals
-plain output by construction, in float32 and bfloat16 alike (torch's attention changes its last bits
-with the number of query rows and masked keys; in bfloat16 that flips argmaxes).
+and the same `attend_rows`, all rows of a request in one call, each row over the keys it would see
+in a plain step, so a verified row reproduces the bits of the plain step at that position:
+speculative output equals plain output by construction, in float32 and bfloat16 alike (torch's
+attention changes its last bits with the number of query rows and masked keys; in bfloat16 that
+flips argmaxes). Where the kernel cannot be built, both paths fall back to torch SDPA one row at a
+time (`attend_row`), which keeps that property at the price of one call per row.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sglang_omni_flash.flash.cpu_linear import frozen_copy
+from sglang_omni_flash.kernels import attention as row_kernel
 
 logger = logging.getLogger("sglang_omni_flash.cpu_decode")
 
@@ -44,16 +50,105 @@ def attend_row(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return o.reshape(-1)
 
 
-def slot_run(buf: Tensor, slots: Tensor) -> Tensor:
-    """buf[slots], as a slice (no copy) when the slots are one ascending run. Same values, same
-    strides: attention over either gives the same bits; the slice skips copying 1,500 encoder rows
-    per layer and request, which costs more than attending to them."""
+def run_start(slots: Tensor) -> int | None:
+    """The first slot when `slots` are one ascending run (first, first + 1, ...), else None."""
     n = slots.numel()
     if n:
         first = int(slots[0])
         if int(slots[-1]) - first == n - 1 and (n == 1 or bool((slots.diff() == 1).all())):
-            return buf[first: first + n]
-    return buf[slots]
+            return first
+    return None
+
+
+def slot_run(buf: Tensor, slots: Tensor) -> Tensor:
+    """buf[slots], as a slice (no copy) when the slots are one ascending run. Same values, same
+    strides: attention over either gives the same bits; the slice skips copying 1,500 encoder rows
+    per layer and request, which costs more than attending to them."""
+    first = run_start(slots)
+    return buf[slots] if first is None else buf[first: first + slots.numel()]
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, scale: float, limits: list[int] | None = None,
+                mask: Tensor | None = None, kt: Tensor | None = None) -> Tensor:
+    """Rows of one request: q [n, H, hd] over keys k / v [W, H, hd] (views of the pool are fine) -> [n, H * hd].
+
+    Row r sees the keys j < limits[r] (all W when None) and, with a mask [n, W], only where mask[r, j].
+    `kt` [H, hd, W] (k transposed, contiguous over keys) saves the kernel's transposing copy. The
+    decode step and the verify pass both attend here, so a row's bits never depend on the others."""
+    n, width = q.shape[0], k.shape[0]
+    limits = [width] * n if limits is None else limits
+    if k.dtype != q.dtype:  # a pool kept in another dtype than the activations
+        k, v, kt = k.to(q.dtype), v.to(q.dtype), None
+    if row_kernel.available():
+        kt = k.permute(1, 2, 0).contiguous() if kt is None else kt
+        out = row_kernel.row_attention(q.permute(1, 0, 2)[None], kt[None], v.permute(1, 0, 2)[None],
+                                       torch.tensor([limits], dtype=torch.long),
+                                       None if mask is None else mask[None], scale)[0]  # [H, n, hd]
+        return out.permute(1, 0, 2).reshape(n, -1)
+    rows = []
+    for r in range(n):  # no kernel: torch SDPA one row at a time (its bits depend on the call's shape)
+        visible = torch.arange(width) < limits[r]
+        if mask is not None:
+            visible &= mask[r].cpu()
+        if bool(visible.all()):
+            rows.append(attend_row(q[r], k, v, scale))
+        else:
+            rows.append(attend_row(q[r], k[visible], v[visible], scale))
+    return torch.stack(rows)
+
+
+class EncoderKeys:
+    """Each request's encoder keys per cross layer, transposed once ([H, hd, T]) for the row kernel.
+
+    Keyed by (layer id, first slot, length) of a request's encoder run in the KV pool. `written`
+    (called after every write of encoder states) drops the entries whose slots were written again,
+    so a key never outlives the request that filled its slots; least recently used entries beyond
+    `max_bytes` are dropped too (recomputed when needed: the same values)."""
+
+    def __init__(self, max_bytes: int = 512 << 20):  # 27 requests of base in fp32 (18 MB each)
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, int, int], Tensor] = OrderedDict()
+        self.bytes = 0
+
+    def transposed(self, layer_id: int, kbuf: Tensor, first: int, length: int) -> Tensor:
+        key = (layer_id, first, length)
+        kt = self.entries.get(key)
+        if kt is not None:
+            self.entries.move_to_end(key)
+            return kt
+        kt = kbuf[first: first + length].permute(1, 2, 0).contiguous()
+        self.entries[key] = kt
+        self.bytes += kt.numel() * kt.element_size()
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            self._drop(next(iter(self.entries)))
+        return kt
+
+    def written(self, layer_id: int, slots: Tensor) -> None:
+        if not self.entries or slots.numel() == 0:
+            return
+        lo, hi = int(slots.min()), int(slots.max())
+        for key in [key for key in self.entries if key[0] == layer_id and key[1] <= hi and key[1] + key[2] > lo]:
+            self._drop(key)
+
+    def _drop(self, key) -> None:
+        kt = self.entries.pop(key)
+        self.bytes -= kt.numel() * kt.element_size()
+
+
+def encoder_run(table_row: Tensor, encoder_len: int) -> tuple[Tensor, int | None]:
+    """A request's encoder slots, and their first slot when they are one ascending run (else None)."""
+    slots = table_row[:encoder_len].long()
+    return slots, run_start(slots)
+
+
+def cross_keys(attn, kbuf: Tensor, vbuf: Tensor, slots: Tensor, first: int | None, keys: EncoderKeys):
+    """(k, v, kt) of a request's encoder run for `attend_rows`: pool slices and the cached transpose
+    when the slots are one run, gathered rows otherwise."""
+    if first is None:
+        return kbuf[slots], vbuf[slots], None
+    n = slots.numel()
+    kt = keys.transposed(attn.layer_id, kbuf, first, n) if row_kernel.available() else None
+    return kbuf[first: first + n], vbuf[first: first + n], kt
 
 
 def _linear_forward(module: nn.Linear):
@@ -71,8 +166,8 @@ def _lm_head(hidden_states: Tensor, lm_head, embedding_bias: Tensor | None = Non
 class _DecodeAttention:
     """Replaces a RadixAttention's forward: decode batches here, everything else stock."""
 
-    def __init__(self, attn):
-        self.attn, self.stock = attn, attn.forward
+    def __init__(self, attn, keys: EncoderKeys):
+        self.attn, self.stock, self.keys = attn, attn.forward, keys
 
     def __call__(self, q, k, v, forward_batch, save_kv_cache: bool = True, **kwargs):
         if not forward_batch.forward_mode.is_decode() or kwargs:
@@ -96,12 +191,23 @@ class _DecodeAttention:
         out = []
         for i, (row, length, enc) in enumerate(zip(rows, seq_lens, encoder_lens)):
             if attn.is_cross_attention:
-                slots = table[row, :enc].long()
-                out.append(attend_row(q[i], slot_run(kbuf, slots), slot_run(vbuf, slots), attn.scaling))
+                k, v, kt = cross_keys(attn, kbuf, vbuf, *encoder_run(table[row], enc), self.keys)
+                out.append(attend_rows(q[i: i + 1], k, v, attn.scaling, kt=kt)[0])
             else:
                 slots = table[row, enc: enc + length].long()
-                out.append(attend_row(q[i], kbuf[slots], vbuf[slots], attn.scaling))
+                out.append(attend_rows(q[i: i + 1], kbuf[slots], vbuf[slots], attn.scaling)[0])
         return torch.stack(out)
+
+
+def _forgetting_old_keys(cross_attention, keys: EncoderKeys):
+    """cache_encoder_states that drops the transposed keys of the slots it writes (another request's)."""
+    write = cross_attention.cache_encoder_states
+
+    def cache_encoder_states(states: Tensor, cache_loc: Tensor) -> None:
+        write(states, cache_loc)
+        keys.written(cross_attention.attn.layer_id, cache_loc)
+
+    return cache_encoder_states
 
 
 def install(model) -> bool:
@@ -125,8 +231,11 @@ def install(model) -> bool:
     for module in decoder.modules():
         if isinstance(module, nn.Linear):
             module.forward = _linear_forward(module)
+    keys = model._whisper_flash_encoder_keys = EncoderKeys()
     for attn in attentions:
-        attn.forward = _DecodeAttention(attn)
+        attn.forward = _DecodeAttention(attn, keys)
+    for layer in decoder.layers:
+        layer.encoder_attn.cache_encoder_states = _forgetting_old_keys(layer.encoder_attn, keys)
     processor._compute_lm_head = _lm_head
     model._whisper_flash_cpu_decode = True
     logger.info("whisper-flash: CPU decode step: packed linears and head, one-row attention (%s)", weight.dtype)

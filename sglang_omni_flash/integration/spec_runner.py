@@ -116,7 +116,9 @@ class DraftState:
 
     hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
     acoustic: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, T, hd]
-    length: int = 0  # valid history positions 0..length-1 (== committed decoder length)
+    length: int = 0  # history positions 0..length-1 (== committed decoder length), pending ones included
+    pending: list[Tensor] = field(default_factory=list)  # target states [n_hist, d] of the last stock steps'
+    # positions (length - len(pending) .. length - 1), projected only when the request drafts again
     skip: int = 0  # decode steps left without drafting (back-off after fruitless rounds)
     backoff: int = 0  # length of the next back-off (doubles while drafts keep failing)
     stats: SpecStats = field(default_factory=SpecStats)
@@ -259,19 +261,26 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
                 hv[:, :, start:start + n] = v
         state.length = start + n
 
-    def _append_step_history(self, states: Tensor, appends: list[tuple[int, DraftState, int]]) -> None:
-        """One stock step's history row for every drafting request (batch row i, its state, its
-        position L), projected in one drafter call: per request, a call streams the projection's
-        weights for one row, which at C=16 cost more than the rows themselves."""
-        rows = torch.tensor([i for i, _, _ in appends])
-        positions = torch.tensor([[L] for _, _, L in appends], device=self._device)
-        projected = self.drafter.project_history(states[rows][:, None].to(self._device))  # [m, 1, d]
-        layers = self.drafter.history_kv(projected, positions)  # per layer (k, v) [m, H, 1, hd]
-        for j, (_, state, L) in enumerate(appends):
+    def _project_pending(self, states: list[DraftState]) -> None:
+        """Project the history rows that stock steps left pending, for every state given, in one
+        drafter call. A stock step only keeps its target states: a request that the pacer or its
+        back-off keeps from drafting never pays for the projection, and the steps that do draft pay
+        for theirs in their own round's price (what the pacer weighs)."""
+        todo = [state for state in states if state.pending]
+        if not todo:
+            return
+        rows = torch.cat([torch.stack(state.pending) for state in todo])  # [M, n_hist, d]
+        positions = torch.cat([torch.arange(state.length - len(state.pending), state.length) for state in todo])
+        projected = self.drafter.project_history(rows[:, None].to(self._device))  # [M, 1, d]
+        layers = self.drafter.history_kv(projected, positions[:, None].to(self._device))  # (k, v) [M, H, 1, hd]
+        j = 0
+        for state in todo:
+            n, start = len(state.pending), state.length - len(state.pending)
             for (hk, hv), (k, v) in zip(state.hist, layers):
-                hk[:, :, L:L + 1] = k[j: j + 1]
-                hv[:, :, L:L + 1] = v[j: j + 1]
-            state.length = L + 1
+                hk[:, :, start:start + n] = k[j:j + n].transpose(0, 2)
+                hv[:, :, start:start + n] = v[j:j + n].transpose(0, 2)
+            state.pending.clear()
+            j += n
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -353,6 +362,7 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             return self._stock_step()
         t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
         with torch.inference_mode():
+            self._project_pending([p.state for p in plans if p.state is not None])
             self._draft(plans, schedule_batch)  # may shorten p.k (confidence cut)
             self.timing["draft"] += time.perf_counter() - t0
             self.timing["draft_steps"] += 1
@@ -592,7 +602,6 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
         self._plain_step = False
         states, _ = self.tap.disarm()
         seq_lens = schedule_batch.seq_lens_cpu.tolist()
-        appends = []
         for i, req in enumerate(schedule_batch.reqs):
             state = self.states.get(req.rid)
             if state is None:
@@ -602,11 +611,8 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             if states is None or states.shape[0] != len(schedule_batch.reqs) or state.length != L:
                 self.forget(req.rid, leaving=False)  # hooks did not fire (a graph replay): no more drafts for it
                 continue
-            appends.append((i, state, L))
-        if appends:
-            with torch.inference_mode():
-                self._append_step_history(states, appends)
-        # the step's price includes keeping the drafter in step (what a plain server does not pay)
+            state.pending.append(states[i].clone())  # projected when it drafts again (_project_pending)
+            state.length = L + 1
         seconds = time.perf_counter() - self._stock_t0
         self.timing["stock"] += seconds
         self.timing["stock_steps"] += 1

@@ -12,9 +12,9 @@ attends with exactly the new rows:
 * cross-attention  each new row attends to the request's cached encoder K/V,
                    ``req_to_token[row, 0 : enc]`` in the cross layer planes (written at prefill).
 
-Each row goes through ``cpu_decode.attend_row`` on its own, over exactly the keys a plain decode
-step at its position attends to, and the linears and head through the same packed copies as the
-decode step: a verified row has the bits of that plain step (cpu_decode.py explains why).
+The rows of a request go through ``cpu_decode.attend_rows`` together, each over exactly the keys a
+plain decode step at its position attends to, and the linears and head through the same packed
+copies as the decode step: a verified row has the bits of that plain step (cpu_decode.py explains why).
 
 It also returns the residual stream after the drafter's history layers (before the final
 layer norm), so no hooks are needed on this path. Pure torch over sglang's pool tensors:
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from sglang_omni_flash.flash.cpu_linear import frozen_copy
-from sglang_omni_flash.integration.cpu_decode import attend_row, slot_run
+from sglang_omni_flash.integration.cpu_decode import EncoderKeys, attend_rows, cross_keys, encoder_run
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,11 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         t[r.encoder_len + r.prefix_len: r.encoder_len + r.prefix_len + n] for t, r, n in zip(table, rows, lengths)
     ]).long()
     self_slots = [t[r.encoder_len: r.encoder_len + r.prefix_len + n].long() for t, r, n in zip(table, rows, lengths)]
-    cross_slots = [t[: r.encoder_len].long() for t, r in zip(table, rows)]
-    causal = [r.mask(device) for r in rows]
+    cross_runs = [encoder_run(t, r.encoder_len) for t, r in zip(table, rows)]
+    # a chain's row j sees the prefix and rows 0..j; a tree's row its ancestors (mask)
+    limits = [[r.prefix_len + j + 1 for j in range(n)] if r.parents is None else None for r, n in zip(rows, lengths)]
+    masks = [None if r.parents is None else r.mask(torch.device("cpu")) for r in rows]
+    keys = getattr(model, "_whisper_flash_encoder_keys", None) or EncoderKeys()
 
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -109,9 +112,9 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         q = q.reshape(-1, heads, hd)
         kv_pool.set_kv_buffer(sa.attn, KVWriteLoc(new_slots), k.reshape(-1, heads, hd), v.reshape(-1, heads, hd))
         kbuf, vbuf = kv_pool.get_key_buffer(sa.attn.layer_id), kv_pool.get_value_buffer(sa.attn.layer_id)
-        o = torch.stack([
-            attend_row(q[offsets[i] + j], kbuf[slots[visible]], vbuf[slots[visible]], sa.scaling)
-            for i, slots in enumerate(self_slots) for j, visible in enumerate(causal[i])
+        o = torch.cat([
+            attend_rows(q[offsets[i]: offsets[i + 1]], kbuf[slots], vbuf[slots], sa.scaling, limits[i], masks[i])
+            for i, slots in enumerate(self_slots)
         ])
         h = h + lin(sa.out_proj, o)
 
@@ -119,10 +122,9 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         x = layer.encoder_attn_layer_norm(h)
         q = lin(ca.q_proj, x).reshape(-1, ca.num_heads, ca.head_dim)
         kbuf, vbuf = kv_pool.get_key_buffer(ca.attn.layer_id), kv_pool.get_value_buffer(ca.attn.layer_id)
-        keys = [(slot_run(kbuf, slots), slot_run(vbuf, slots)) for slots in cross_slots]
-        o = torch.stack([
-            attend_row(q[offsets[i] + j], *keys[i], ca.scaling)
-            for i in range(len(rows)) for j in range(lengths[i])
+        encoder = [cross_keys(ca.attn, kbuf, vbuf, slots, first, keys) for slots, first in cross_runs]  # (k, v, kt)
+        o = torch.cat([
+            attend_rows(q[offsets[i]: offsets[i + 1]], k, v, ca.scaling, kt=kt) for i, (k, v, kt) in enumerate(encoder)
         ])
         h = h + lin(ca.out_proj, o)
 

@@ -1,0 +1,55 @@
+"""The decode worker's drafter history (integration/spec_runner.py): rows that stock steps leave
+pending and project later, all requests in one call, equal rows projected as they came."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+from sglang_omni_flash.integration.spec_runner import DraftState, WhisperFlashModelRunner
+from test_drafter import tiny_target
+
+MAX_POSITIONS = 32
+
+
+def empty_state(drafter) -> DraftState:
+    cfg = drafter.config
+    hist = [(torch.zeros(1, cfg.n_heads, MAX_POSITIONS, cfg.head_dim),
+             torch.zeros(1, cfg.n_heads, MAX_POSITIONS, cfg.head_dim)) for _ in range(cfg.n_layers)]
+    return DraftState(hist=hist, acoustic=[])
+
+
+def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
+    torch.manual_seed(1)
+    drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
+    n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
+    runner = SimpleNamespace(drafter=drafter, _device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    prefill = [torch.randn(p, n_hist, d, generator=g) for p in (4, 7)]
+    steps = [torch.randn(n, n_hist, d, generator=g) for n in (5, 2)]  # stock-step rows per request
+
+    one_by_one, deferred = [], []
+    with torch.inference_mode():
+        for rows, more in zip(prefill, steps):
+            state = empty_state(drafter)
+            WhisperFlashModelRunner._append_history(runner, state, rows, 0)
+            for i, row in enumerate(more):
+                WhisperFlashModelRunner._append_history(runner, state, row[None], rows.shape[0] + i)
+            one_by_one.append(state)
+
+            state = empty_state(drafter)
+            WhisperFlashModelRunner._append_history(runner, state, rows, 0)
+            for row in more:  # what post_decode keeps of a stock step
+                state.pending.append(row)
+                state.length += 1
+            deferred.append(state)
+        WhisperFlashModelRunner._project_pending(runner, deferred)
+
+    for want, got, rows, more in zip(one_by_one, deferred, prefill, steps):
+        assert got.length == want.length == rows.shape[0] + more.shape[0] and not got.pending
+        for (wk, wv), (gk, gv) in zip(want.hist, got.hist):
+            torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6)
+        assert wk[:, :, want.length:].abs().sum() == 0 == gk[:, :, got.length:].abs().sum()
