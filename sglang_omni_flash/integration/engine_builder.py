@@ -1,9 +1,10 @@
 """The plugin's Whisper ASR engine builders (subclasses of sglang-omni's ``WhisperASREngineBuilder``).
 
 * ``WhisperFlashEngineBuilder``      the stock builder with the ``.en`` prompt fix and, on a CPU, the
-  decode step of ``cpu_decode`` (packed linears, one-row attention without copies); built by
+  decode step of ``cpu_decode`` (packed linears, the row-invariant attention kernel); built by
   ``stages.create_whisper_flash_asr_executor`` on a CPU and for ``.en`` checkpoints (multilingual
   checkpoints on CUDA without ``--asr.speculative`` use sglang-omni's factory).
+  Its scheduler waits on request builds instead of polling (``idle_wait``).
 * ``WhisperFlashSpecEngineBuilder``  adds the Whisper-Flash decode worker
   (``--asr.speculative whisper-flash``): loads the drafter before the KV pool is sized,
   installs the history hooks and the encoder tee on the target, and swaps in
