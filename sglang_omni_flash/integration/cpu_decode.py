@@ -82,14 +82,14 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, scale: float, limits: list[int]
     if row_kernel.available():
         kt = k.permute(1, 2, 0).contiguous() if kt is None else kt
         out = row_kernel.row_attention(q.permute(1, 0, 2)[None], kt[None], v.permute(1, 0, 2)[None],
-                                       torch.tensor([limits], dtype=torch.long),
-                                       None if mask is None else mask[None], scale)[0]  # [H, n, hd]
+                                       torch.tensor([limits], dtype=torch.long, device=q.device),
+                                       None if mask is None else mask[None].to(q.device), scale)[0]  # [H, n, hd]
         return out.permute(1, 0, 2).reshape(n, -1)
     rows = []
     for r in range(n):  # no kernel: torch SDPA one row at a time (its bits depend on the call's shape)
-        visible = torch.arange(width) < limits[r]
+        visible = torch.arange(width, device=k.device) < limits[r]
         if mask is not None:
-            visible &= mask[r].cpu()
+            visible &= mask[r].to(k.device)
         if bool(visible.all()):
             rows.append(attend_row(q[r], k, v, scale))
         else:
