@@ -3,7 +3,7 @@
 The dtype is chosen explicitly (`ServeOptions.dtype`), so this runs the same on CPUs with and
 without AMX-BF16 (without it bf16 is emulated and slow, hence few short clips). In bf16 torch's
 attention changes argmaxes with the rows of a call; the server is exact here because the decode
-step and each verify row go through the same one-row attention and packed linears
+step and each verify row go through the same row-invariant attention and packed linears
 (integration/cpu_decode.py). The shipped base drafter must also be accepted in bf16: its identity
 check must not depend on the dtype the target is served in.
 """

@@ -238,5 +238,5 @@ def install(model) -> bool:
         layer.encoder_attn.cache_encoder_states = _forgetting_old_keys(layer.encoder_attn, keys)
     processor._compute_lm_head = _lm_head
     model._whisper_flash_cpu_decode = True
-    logger.info("whisper-flash: CPU decode step: packed linears and head, one-row attention (%s)", weight.dtype)
+    logger.info("whisper-flash: CPU decode step: packed linears and head, row-invariant attention kernel (%s)", weight.dtype)
     return True
