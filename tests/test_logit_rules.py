@@ -157,3 +157,55 @@ def test_the_draft_hint_proposes_the_repeat_of_a_closing_timestamp_and_nothing_e
     hinted = rules.favour_pair_repeat(logits.clone(), prefix)
     assert hinted[0].argmax() == TS_BEGIN + 3  # one timestamp after text: the segment just closed
     assert torch.equal(hinted[1:], logits[1:])  # a pair already, or text: untouched
+
+
+def sequential_drafts(rules: LogitRules, logits: torch.Tensor, rows: list[list[int]]):
+    """The definition of a greedy chain under the rules: position by position, each row shaped with
+    its prefix plus the candidates before it, the draft hint applied, then its argmax; and each
+    candidate's probability over its whole shaped row."""
+    prefix = Prefix.from_tokens(rows, TS_BEGIN, "cpu")
+    picks, probs = [], []
+    for j in range(logits.shape[1]):
+        row = rules.apply(logits[:, j].clone(), prefix)
+        rules.timestamps.favour_pair_repeat(row, prefix)
+        picks.append(row.argmax(-1))
+        probs.append(torch.softmax(row, dim=-1).amax(dim=-1))
+        prefix = prefix.extend(picks[-1], TS_BEGIN)
+    return torch.stack(picks, 1), torch.stack(probs, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_timestamped_drafts_shaped_at_once_on_few_columns_equal_the_sequential_chain(seed):
+    """LogitRules.draft_chain (engine and decode worker) shapes every position in one call from a
+    guess of the earlier candidates, on each row's best text columns, EOS and the timestamps: its
+    candidates are the chain drafted position by position over the whole vocabulary, on prefixes
+    at the first position, inside and after pairs, and with rules that force timestamps. With the
+    decode worker's rules (timestamps only) the probabilities that cut chains are the whole rows'."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for trial in range(50):
+        rules = ours(True) if trial % 2 else LogitRules([ours(True).timestamps])
+        batch, k = rng.randrange(1, 4), rng.randrange(1, 9)
+        rows = [[] if rng.random() < 0.2 else random_prefix(rng, rng.randrange(1, 8)) for _ in range(batch)]
+        logits = torch.randn(batch, k, V) * 3
+        logits[..., TS_BEGIN:] += torch.rand(batch, k, 1) * 6 - 2  # timestamps sometimes win together
+        logits[..., EOS] += torch.rand(batch, k) * 4
+        want, probability = sequential_drafts(rules, logits, rows)
+        got, confidence = rules.draft_chain(logits.clone(), Prefix.from_tokens(rows, TS_BEGIN, "cpu"))
+        assert torch.equal(got, want), (trial, rows)
+        assert ((confidence > 0) & (confidence <= 1)).all()
+        if len(rules.rules) == 1:
+            torch.testing.assert_close(confidence, probability, rtol=1e-4, atol=1e-5)
+
+
+def test_the_draft_hint_on_gathered_columns_equals_the_hint_on_whole_rows():
+    rules = ours(True).timestamps
+    logits = torch.randn(3, V)
+    rows = [[5, TS_BEGIN + 3], [TS_BEGIN, 5, TS_BEGIN + 3, TS_BEGIN + 3], [TS_BEGIN, 5, 6]]
+    prefix = Prefix.from_tokens(rows, TS_BEGIN, "cpu")
+    columns = torch.stack([torch.randperm(V)[:40] for _ in rows])
+    columns[0, 7] = TS_BEGIN + 3  # the repeat is among row 0's columns
+    whole = rules.favour_pair_repeat(logits.clone(), prefix)
+    some = rules.favour_pair_repeat(logits.gather(1, columns), prefix, columns)
+    assert some[0, 7] == some[0].max() > logits[0].gather(0, columns[0]).max()
+    assert torch.equal(some[1:], whole[1:].gather(1, columns[1:]))

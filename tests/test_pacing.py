@@ -88,3 +88,17 @@ def test_paced_decoding_with_the_shipped_drafter_is_exact_at_every_batch_size(ti
         engine.resize(batch)
         assert [r.tokens for r in engine.decode(encoder_out=encoded, speculative=True)] == greedy
     engine.resize(4)
+
+
+def test_busier_batches_verify_only_likelier_tree_nodes():
+    """batch_min_path_prob: the threshold at one request is the given one; it rises with the batch
+    (a node's row costs the same while a token is worth less of a busier step) and stays below 1;
+    0 (no threshold, e.g. CUDA) stays 0."""
+    from sglang_omni_flash.engine.pacing import batch_min_path_prob
+
+    assert batch_min_path_prob(0.05, 1) == 0.05
+    thresholds = [batch_min_path_prob(0.05, n) for n in (1, 2, 4, 8, 16, 64)]
+    assert thresholds == sorted(thresholds) and thresholds[-1] < 1.0
+    # b / a = 0.05 / 0.95: at 4 requests a node must pay b per 4 b / (a + 4 b) of a token
+    assert abs(batch_min_path_prob(0.05, 4) - (4 / 19) / (1 + 4 / 19)) < 1e-12
+    assert batch_min_path_prob(0.0, 8) == 0.0

@@ -1,5 +1,6 @@
-"""The decode worker's drafter history (integration/spec_runner.py): rows that stock steps leave
-pending and project later, all requests in one call, equal rows projected as they came."""
+"""The decode worker's drafter history (integration/spec_runner.py): rows left pending (prefill,
+rounds, stock steps) and projected later, all requests in one call, equal rows projected as they
+came."""
 
 from __future__ import annotations
 
@@ -34,16 +35,18 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
     with torch.inference_mode():
         for rows, more in zip(prefill, steps):
             state = empty_state(drafter)
-            WhisperFlashModelRunner._append_history(runner, state, rows, 0)
-            for i, row in enumerate(more):
-                WhisperFlashModelRunner._append_history(runner, state, row[None], rows.shape[0] + i)
+            state.keep(rows)
+            WhisperFlashModelRunner._project_pending(runner, [state])
+            for row in more:  # projected as each step came
+                state.keep(row[None])
+                WhisperFlashModelRunner._project_pending(runner, [state])
             one_by_one.append(state)
 
             state = empty_state(drafter)
-            WhisperFlashModelRunner._append_history(runner, state, rows, 0)
-            for row in more:  # what post_decode keeps of a stock step
-                state.pending.append(row)
-                state.length += 1
+            state.keep(rows)
+            for row in more:  # what post_decode and a round keep
+                state.keep(row[None])
+            assert state.pending_rows == rows.shape[0] + more.shape[0]
             deferred.append(state)
         WhisperFlashModelRunner._project_pending(runner, deferred)
 
@@ -53,3 +56,10 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
             torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6)
         assert wk[:, :, want.length:].abs().sum() == 0 == gk[:, :, got.length:].abs().sum()
+        with torch.inference_mode():  # the drafter's own projection of the whole history, as the engine's
+            every = torch.cat([rows, more])
+            projected = drafter.project_history(every[None])
+            reference = drafter.history_kv(projected, torch.arange(every.shape[0])[None])
+        for (rk, rv), (gk, gv) in zip(reference, got.hist):
+            torch.testing.assert_close(gk[:, :, : got.length], rk, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(gv[:, :, : got.length], rv, rtol=1e-5, atol=1e-6)

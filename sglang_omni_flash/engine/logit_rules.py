@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 NEG_INF = float("-inf")
+DRAFT_TEXT_COLUMNS = 8  # text tokens per row that timestamped drafts choose from (LogitRules.draft_chain)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class SuppressTokens:
     def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
         logits.masked_fill_(self.mask, NEG_INF)
 
+    def forbidden(self, col: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+        return self.mask[col]
+
 
 class SuppressAtBegin:
     """`begin_suppress_tokens` (blank and EOS): not allowed as the first generated token."""
@@ -114,6 +118,13 @@ class SuppressAtBegin:
             raise ValueError("rows at and after the first position need Prefix.length")
         logits.masked_fill_((prefix.length == 0)[:, None] & self.mask, NEG_INF)
 
+    def forbidden(self, col: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+        if prefix.min_length > 0:
+            return torch.zeros_like(col, dtype=torch.bool)
+        if prefix.max_length == 0:
+            return self.mask[col]
+        return (prefix.length == 0)[:, None] & self.mask[col]
+
 
 class ApplyTimestampRules:
     """Timestamp tokens come in pairs (except before EOS), never decrease, the first one is at most
@@ -129,49 +140,59 @@ class ApplyTimestampRules:
 
     def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
         tsb = self.timestamp_begin
-        col = self.columns
         logits[:, self.no_timestamps_id] = NEG_INF
-        if prefix.max_length == 0:  # every row is at the first generated position
-            mask = self._initial(col)[None, :]
-        else:
-            if not prefix.has_tensors:
-                raise ValueError("timestamp rules need the prefix tensors")
-            last_ts = prefix.last >= tsb
-            pen_ts = (prefix.penultimate >= tsb) | (prefix.length < 2)
-            pair_closed = (last_ts & pen_ts)[:, None]  # two timestamps in a row: text next
-            pair_open = (last_ts & ~pen_ts)[:, None]  # one timestamp: another timestamp or EOS next
-            is_ts_col = (col >= tsb)[None, :]
-            mask = (pair_closed & is_ts_col) | (pair_open & (col < self.eos_id)[None, :])
-            # timestamps never decrease; <|t|> may repeat only to close a pair
-            has_ts = prefix.last_timestamp >= 0
-            floor = torch.where(last_ts & ~pen_ts, prefix.last_timestamp, prefix.last_timestamp + 1)
-            mask |= (has_ts[:, None] & is_ts_col) & (col[None, :] < floor[:, None])
-            if prefix.min_length == 0:
-                mask |= (prefix.length == 0)[:, None] & self._initial(col)[None, :]
-        logits.masked_fill_(mask, NEG_INF)
+        logits.masked_fill_(self.forbidden(self.columns[None, :], prefix), NEG_INF)
         # if the timestamps together are likelier than any single text token, emit a timestamp
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         timestamp_logprob = logprobs[:, tsb:].logsumexp(dim=-1)
         max_text_logprob = logprobs[:, :tsb].max(dim=-1).values
         logits[:, :tsb].masked_fill_((timestamp_logprob > max_text_logprob)[:, None], NEG_INF)
 
-    def favour_pair_repeat(self, logits: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+    def forbidden(self, col: torch.Tensor, prefix: Prefix) -> torch.Tensor:
+        """[R, C] bool (or [1, C] at the first position): which tokens col ([1, C] or [R, C] token
+        ids) the pairing, monotonicity and initial-timestamp rules forbid after each row's prefix."""
+        tsb = self.timestamp_begin
+        if prefix.max_length == 0:  # every row is at the first generated position
+            return self._initial(col)
+        if not prefix.has_tensors:
+            raise ValueError("timestamp rules need the prefix tensors")
+        last_ts = prefix.last >= tsb
+        pen_ts = (prefix.penultimate >= tsb) | (prefix.length < 2)
+        pair_closed = (last_ts & pen_ts)[:, None]  # two timestamps in a row: text next
+        pair_open = (last_ts & ~pen_ts)[:, None]  # one timestamp: another timestamp or EOS next
+        is_ts_col = col >= tsb
+        mask = (pair_closed & is_ts_col) | (pair_open & (col < self.eos_id))
+        # timestamps never decrease; <|t|> may repeat only to close a pair
+        has_ts = prefix.last_timestamp >= 0
+        floor = torch.where(last_ts & ~pen_ts, prefix.last_timestamp, prefix.last_timestamp + 1)
+        mask = mask | ((has_ts[:, None] & is_ts_col) & (col < floor[:, None]))
+        if prefix.min_length == 0:
+            mask = mask | ((prefix.length == 0)[:, None] & self._initial(col))
+        return mask
+
+    def favour_pair_repeat(self, logits: torch.Tensor, prefix: Prefix, col: torch.Tensor | None = None) -> torch.Tensor:
         """Drafts only: where a segment was just closed by one timestamp, make its repeat the
         candidate. Whisper opens the next segment with the same timestamp (`<|5.88|><|5.88|>`)
         far more often than it does anything else there, and drafters trained on text-only
-        decodes have no idea of it. A draft is only a guess: the target still decides."""
+        decodes have no idea of it. A draft is only a guess: the target still decides.
+        col: the token id of each column ([R, C]) where the rows hold some columns only."""
         if prefix.max_length < 1 or not prefix.has_tensors:
             return logits
         tsb = self.timestamp_begin
         single = (prefix.last >= tsb) & ((prefix.penultimate < tsb) & (prefix.length >= 2))
         if bool(single.any()):
-            rows = single.nonzero()[:, 0]
-            best = logits[rows].amax(dim=-1)
-            logits[rows, prefix.last[rows]] = torch.where(torch.isfinite(best), best + 1.0, best)
+            best = logits.amax(dim=-1)
+            raised = torch.where(torch.isfinite(best), best + 1.0, best)
+            if col is None:
+                rows = single.nonzero()[:, 0]
+                logits[rows, prefix.last[rows]] = raised[rows]
+            else:
+                repeat = single[:, None] & (col == prefix.last[:, None])
+                logits.copy_(torch.where(repeat, raised[:, None], logits))
         return logits
 
     def _initial(self, col: torch.Tensor) -> torch.Tensor:
-        """[V] bool: what the first generated token may not be (text, or a timestamp beyond the limit)."""
+        """bool like col: what the first generated token may not be (text, or a timestamp beyond the limit)."""
         mask = col < self.timestamp_begin
         if self.max_initial is not None:
             mask |= col > self.timestamp_begin + self.max_initial
@@ -217,6 +238,54 @@ class LogitRules:
             rules.append(ApplyTimestampRules(vocab_size, eos_id, no_timestamps_id, max_initial_timestamp_index, device))
         return cls(rules)
 
+    def draft_chain(self, logits: torch.Tensor, prefix: Prefix,
+                    text_columns: int = DRAFT_TEXT_COLUMNS) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy chain drafts under timestamp rules: (candidates [B, k], the drafter's probability
+        of each [B, k]) from drafter logits [B, k, V] and the rows' prefix [B].
+
+        Drafts only. Shaping whole-vocabulary rows costs more than the drafter call that made
+        them (k x 52k columns, a dozen passes each), and a draft is a guess that the target
+        verifies under the exact rules. So here the rules see the columns that can win: each
+        row's best `text_columns` ordinary text tokens, EOS, the other special tokens and every
+        timestamp. "The timestamps together beat the best text token" compares logits (the
+        softmax normaliser cancels). A probability also counts the mass of the ordinary text
+        left out where text is allowed, as on whole rows: it decides where the confidence cut
+        ends a chain. Position j's prefix ends with candidate j-1 (`greedy_chain`); the
+        pair-repeat hint applies."""
+        ts = self.timestamps
+        tsb = ts.timestamp_begin
+        batch, k, vocab = logits.shape
+        flat = logits.reshape(batch * k, vocab)
+        text_logits = flat[:, : ts.eos_id]  # ordinary text: the rules allow or forbid it as a whole
+        text_values, text = text_logits.topk(min(text_columns, ts.eos_id), dim=-1)
+        # log of the mass of the text tokens left out (a draft's probability is over whole rows)
+        every_text = text_logits.float().logsumexp(dim=-1)
+        kept = (text_values.float().logsumexp(dim=-1) - every_text).exp().clamp(max=1.0 - 1e-6)
+        rest_of_text = every_text + torch.log1p(-kept)
+        # then EOS and the special tokens up to <|notimestamps|> (never allowed, left out), and the timestamps
+        others = torch.cat([ts.columns[ts.eos_id: ts.no_timestamps_id], ts.columns[tsb:]])
+        columns = torch.cat([text, others.expand(flat.shape[0], -1)], dim=1)  # [R, C] token ids
+        values = flat.gather(1, columns)
+        is_timestamp = columns >= tsb
+
+        def shape(rows: torch.Tensor, rows_prefix: Prefix) -> None:
+            forbidden = torch.zeros_like(columns, dtype=torch.bool)
+            for rule in self.rules:
+                forbidden = forbidden | rule.forbidden(columns, rows_prefix)
+            rows.masked_fill_(forbidden, NEG_INF)
+            stamps = rows.masked_fill(~is_timestamp, NEG_INF).logsumexp(dim=-1)
+            best_text = rows.masked_fill(is_timestamp, NEG_INF).amax(dim=-1)
+            rows.masked_fill_(~is_timestamp & (stamps > best_text)[:, None], NEG_INF)
+            ts.favour_pair_repeat(rows, rows_prefix, columns)
+
+        candidates, shaped, _ = greedy_chain(shape, values.view(batch, k, -1), prefix, tsb,
+                                             columns.view(batch, k, -1))
+        shaped = shaped.reshape(batch * k, -1).float()
+        text_allowed = shaped[:, : text.shape[1]].amax(dim=-1) > NEG_INF
+        rest = torch.where(text_allowed, rest_of_text, torch.full_like(rest_of_text, NEG_INF))
+        total = torch.logaddexp(shaped.logsumexp(dim=-1), rest)
+        return candidates, (shaped.amax(dim=-1) - total).exp().view(batch, k)
+
     def apply(self, logits: torch.Tensor, prefix: Prefix) -> torch.Tensor:
         """Apply in place to logits [R, V] (or [n, P, V] with P*n prefix rows) and return them."""
         flat = logits.reshape(-1, logits.shape[-1])
@@ -225,3 +294,40 @@ class LogitRules:
         if flat.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
             logits.copy_(flat.view_as(logits))  # reshape had to copy: write the rules' result back
         return logits
+
+
+def greedy_chain(shape, logits: torch.Tensor, prefix: Prefix, timestamp_begin: int,
+                 columns: torch.Tensor | None = None):
+    """Greedy chain candidates under prefix-dependent rules, all positions shaped in one call.
+
+    Candidate j is the argmax of row j shaped with the prefix plus candidates 0..j-1: a chain
+    that is sequential by definition. Instead of k shaping calls of one row each, every row is
+    shaped at once from a guess of the earlier candidates (first the unshaped argmax) and the
+    guess is replaced by the result until it no longer changes. A pass gets at least one more
+    position right (row j is exact once the guesses before j are), so the fixed point is reached
+    within k + 1 passes and equals the sequential chain; the rules rarely change an argmax, so
+    it is usually reached in two.
+
+    shape(rows [R, C], prefix of R rows) shapes rows in place; logits [B, k, C] are left as they
+    are; columns [B, k, C]: the token id of each column (None: column c is token c).
+    Returns (candidates [B, k], shaped logits [B, k, C], the prefixes of positions 0..k-1).
+    """
+    batch, k, width = logits.shape
+
+    def tokens(best: torch.Tensor) -> torch.Tensor:
+        return best if columns is None else columns.gather(-1, best[..., None])[..., 0]
+
+    if k == 0:
+        return tokens(logits.argmax(-1)), logits.clone(), []
+    guess = tokens(logits.argmax(-1))
+    for _ in range(k + 1):
+        prefixes = [prefix]
+        for j in range(k - 1):
+            prefixes.append(prefixes[-1].extend(guess[:, j], timestamp_begin))
+        shaped = logits.reshape(batch * k, width).clone()
+        shape(shaped, Prefix.interleave(prefixes))
+        picks = tokens(shaped.argmax(-1).view(batch, k))
+        if torch.equal(picks, guess):
+            break
+        guess = picks
+    return picks, shaped.view(batch, k, width), prefixes

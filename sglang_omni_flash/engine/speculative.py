@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
-from sglang_omni_flash.engine.pacing import Pacer
+from sglang_omni_flash.engine.pacing import Pacer, batch_min_path_prob
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -272,7 +272,7 @@ class SpeculativeDecoder:
                 and not self.rules.needs_prefix_tensors):
             return self.tree_round(rows, results, proposal, anchor, anchor_pos, kv_len, num)
         prefixes = [self._prefix(rows)]
-        draft_probs = shaped = None
+        draft_probs = shaped = confidence = None
         if proposal.tokens is not None:  # fixed tokens (tests): taken as they are
             candidates = proposal.tokens[:, :k].to(self.device)
         elif not self.rules.needs_prefix_tensors:  # prefix-free rules: the whole block at once
@@ -284,25 +284,22 @@ class SpeculativeDecoder:
                 candidates = sample_tokens(draft_probs, self.generator)
             else:
                 candidates = shaped.argmax(-1)
-        else:  # timestamp rules: position j's prefix ends with candidate j-1
-            picks, probs, shaped_rows = [], [], []
+        elif not sampling:  # timestamp rules, greedy: every position shaped at once (drafts only)
+            candidates, confidence = self.rules.draft_chain(proposal.logits[:, :k], prefixes[0])
+        else:  # timestamp rules, sampled: position j's prefix ends with candidate j-1
+            picks, probs = [], []
             for j in range(k):
                 row = self.rules.apply(proposal.logits[:, j], prefixes[-1])
                 self.rules.timestamps.favour_pair_repeat(row, prefixes[-1])
-                shaped_rows.append(row)
-                if sampling:
-                    probs.append(probs_from_logits(row, self.temperature))
-                    picks.append(sample_tokens(probs[-1], self.generator))
-                else:
-                    picks.append(row.argmax(-1))
+                probs.append(probs_from_logits(row, self.temperature))
+                picks.append(sample_tokens(probs[-1], self.generator))
                 prefixes.append(prefixes[-1].extend(picks[-1], self.timestamp_begin))
             candidates = torch.stack(picks, 1)
-            draft_probs = torch.stack(probs, 1) if sampling else None
-            shaped = torch.stack(shaped_rows, 1)
-        if self.min_draft_prob > 0 and shaped is not None:  # cut each block where the drafter doubts
+            draft_probs = torch.stack(probs, 1)
+        if self.min_draft_prob > 0 and proposal.tokens is None:  # cut each block where the drafter doubts
             if sampling:
                 confidence = draft_probs.gather(2, candidates[..., None])[..., 0]
-            else:
+            elif confidence is None:
                 confidence = torch.softmax(shaped.float(), dim=-1).amax(dim=-1)
             confident = confident_length(confidence, self.min_draft_prob, minimum=1).tolist()
             num = [min(n_i, c_i) for n_i, c_i in zip(num, confident)]
@@ -347,7 +344,7 @@ class SpeculativeDecoder:
         lengths = Prefix.lengths_only(first.min_length, first.max_length + k)
         shaped = self.rules.apply(proposal.logits[:, :k], lengths)
         tree = build_tree(torch.softmax(shaped.float(), dim=-1), num, self.tree_nodes,
-                          min_path_prob=self.tree_min_prob)
+                          min_path_prob=batch_min_path_prob(self.tree_min_prob, len(rows)))
 
         # verify: anchor + every node in one pass, each row seeing its own ancestors only
         tokens = torch.cat([anchor[:, None], tree.tokens], 1)

@@ -39,7 +39,7 @@ from torch import Tensor
 from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.engine.options import default_min_draft_prob, default_pace, default_tree
-from sglang_omni_flash.engine.pacing import Pacer
+from sglang_omni_flash.engine.pacing import Pacer, batch_min_path_prob
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -117,11 +117,21 @@ class DraftState:
     hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
     acoustic: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, T, hd]
     length: int = 0  # history positions 0..length-1 (== committed decoder length), pending ones included
-    pending: list[Tensor] = field(default_factory=list)  # target states [n_hist, d] of the last stock steps'
-    # positions (length - len(pending) .. length - 1), projected only when the request drafts again
+    pending: list[Tensor] = field(default_factory=list)  # target states [n, n_hist, d] of the last
+    # pending_rows positions (length - pending_rows .. length - 1), projected when the request drafts
     skip: int = 0  # decode steps left without drafting (back-off after fruitless rounds)
     backoff: int = 0  # length of the next back-off (doubles while drafts keep failing)
     stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(rows.shape[0] for rows in self.pending)
+
+    def keep(self, rows: Tensor) -> None:
+        """Target states [n, n_hist, d] of the next n positions, projected when the request drafts
+        again (WhisperFlashModelRunner._project_pending)."""
+        self.pending.append(rows)
+        self.length += rows.shape[0]
 
 
 @dataclass
@@ -139,7 +149,7 @@ class _Plan:
     slots: Tensor | None = None  # [k] extra KV slots
     tree: DraftTree | None = None  # greedy draft tree: then k = its nodes, candidates = their tokens
     room: int = 0  # free req_to_token positions after the anchor (a tree's nodes sit there while verified)
-    rules: object | None = None  # the request's timestamp rules (ApplyTimestampRules), None without timestamps
+    rules: object | None = None  # the request's timestamp rules (LogitRules), None without timestamps
 
 
 def _sampling_ok(req) -> bool:
@@ -211,6 +221,21 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
         p = next(drafter.parameters())
         self._device, self._dtype = p.device, p.dtype
         self.timestamp_rows = TimestampRows(p.device)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One draft of a made-up request at start-up. The drafter's first call pays one-time
+        kernel set-up (~0.4 s on a CPU with int8 weights); inside the first round it would also
+        set the pacer's price of a round ten times too high, and the pacer would step aside for
+        hundreds of steps while the average decays."""
+        cfg = self.drafter.config
+        encoder_len = int(getattr(self.model.config, "max_source_positions", 1500))
+        with torch.inference_mode():
+            state = self._new_state(torch.zeros(4, len(cfg.history_layers), cfg.d_model, device=self._device),
+                                    torch.zeros(encoder_len, cfg.d_model, device=self._device))
+            self._project_pending([state])
+            self._draft_logits([_Plan(index=0, row=0, state=state, anchor=0, prefix_len=state.length, k=self.k)])
+        self._acoustic_batch = None
 
     # ------------------------------------------------------------------ lifecycle of the state
 
@@ -247,35 +272,26 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             z = torch.zeros(1, cfg.n_heads, self.max_positions, cfg.head_dim, device=self._device, dtype=self._dtype)
             hist.append((z, z.clone()))
         state = DraftState(hist=hist, acoustic=d.acoustic_kv(encoder_out[None].to(self._dtype)))
-        self._append_history(state, history, 0)
+        state.keep(history)
         return state
 
-    def _append_history(self, state: DraftState, history: Tensor, start: int) -> None:
-        """Write history states [n, n_hist, d] at positions start..start+n-1; length = start + n."""
-        n = history.shape[0]
-        if n:
-            positions = torch.arange(start, start + n, device=self._device)[None]
-            projected = self.drafter.project_history(history[None].to(self._device))
-            for (hk, hv), (k, v) in zip(state.hist, self.drafter.history_kv(projected, positions)):
-                hk[:, :, start:start + n] = k
-                hv[:, :, start:start + n] = v
-        state.length = start + n
-
     def _project_pending(self, states: list[DraftState]) -> None:
-        """Project the history rows that stock steps left pending, for every state given, in one
-        drafter call. A stock step only keeps its target states: a request that the pacer or its
-        back-off keeps from drafting never pays for the projection, and the steps that do draft pay
-        for theirs in their own round's price (what the pacer weighs)."""
+        """Project the history rows left pending (the prompt's at prefill, a round's accepted rows,
+        stock steps' rows), for every state given, in one drafter call. A request that the pacer
+        or its back-off keeps from drafting never pays for the projection, and a batch pays one
+        drafter call for all its requests, inside the price of the round that needs the rows
+        (what the pacer weighs)."""
         todo = [state for state in states if state.pending]
         if not todo:
             return
-        rows = torch.cat([torch.stack(state.pending) for state in todo])  # [M, n_hist, d]
-        positions = torch.cat([torch.arange(state.length - len(state.pending), state.length) for state in todo])
+        rows = torch.cat([chunk for state in todo for chunk in state.pending])  # [M, n_hist, d]
+        positions = torch.cat([torch.arange(state.length - state.pending_rows, state.length) for state in todo])
         projected = self.drafter.project_history(rows[:, None].to(self._device))  # [M, 1, d]
         layers = self.drafter.history_kv(projected, positions[:, None].to(self._device))  # (k, v) [M, H, 1, hd]
         j = 0
         for state in todo:
-            n, start = len(state.pending), state.length - len(state.pending)
+            n = state.pending_rows
+            start = state.length - n
             for (hk, hv), (k, v) in zip(state.hist, layers):
                 hk[:, :, start:start + n] = k[j:j + n].transpose(0, 2)
                 hv[:, :, start:start + n] = v[j:j + n].transpose(0, 2)
@@ -362,7 +378,7 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             return self._stock_step()
         t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
         with torch.inference_mode():
-            self._project_pending([p.state for p in plans if p.state is not None])
+            self._project_pending([p.state for p in plans if p.k])
             self._draft(plans, schedule_batch)  # may shorten p.k (confidence cut)
             self.timing["draft"] += time.perf_counter() - t0
             self.timing["draft_steps"] += 1
@@ -405,20 +421,21 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             if temperature == 0 and self.tree_nodes > 0 and p.room > 0 and p.rules is None:
                 # a greedy draft tree: its nodes are this step's candidates (slots, verify rows)
                 p.tree = build_tree(torch.softmax(logits, dim=-1)[None], [p.k], min(self.tree_nodes, p.room),
-                                    min_path_prob=self.tree_min_prob)
+                                    min_path_prob=batch_min_path_prob(self.tree_min_prob, len(plans)))
                 p.candidates = p.tree.token_lists[0][: int(p.tree.valid.sum())]
                 p.k = len(p.candidates)
                 continue
-            if p.rules is not None:  # a chain under the timestamp rules, candidate by candidate
-                pick = (lambda row: sample_tokens(probs_from_logits(row, temperature))) if temperature > 0 \
-                    else (lambda row: row.argmax(-1))
-                cands, logits = self.timestamp_rows.draft(p.rules, logits, req.output_ids, pick)
-            probs = probs_from_logits(logits, temperature) if temperature > 0 else torch.softmax(logits, dim=-1)
-            if temperature > 0:
-                p.draft_probs = probs
-            if p.rules is None:
-                cands = sample_tokens(probs) if temperature > 0 else probs.argmax(dim=-1)
-            conf = probs.gather(1, cands[:, None])[:, 0]
+            if p.rules is not None and temperature == 0:  # a greedy chain under the timestamp rules
+                cands, conf = self.timestamp_rows.draft(p.rules, logits, req.output_ids)
+            else:
+                if p.rules is not None:  # a sampled chain under the timestamp rules, candidate by candidate
+                    cands, logits = self.timestamp_rows.draft_sampled(p.rules, logits, req.output_ids, temperature)
+                probs = probs_from_logits(logits, temperature) if temperature > 0 else torch.softmax(logits, dim=-1)
+                if temperature > 0:
+                    p.draft_probs = probs
+                if p.rules is None:
+                    cands = sample_tokens(probs) if temperature > 0 else probs.argmax(dim=-1)
+                conf = probs.gather(1, cands[:, None])[:, 0]
             if self.min_draft_prob > 0:
                 p.k = int(confident_length(conf, self.min_draft_prob))
             p.candidates = cands[: p.k].tolist()
@@ -547,7 +564,7 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             next_tokens.append(nxt)
             self.step_tokens[req.rid] = [*accepted, nxt]
             if p.state is not None:
-                self._append_history(p.state, out.history[[lo + r for r in [0, *path]]], p.prefix_len)
+                p.state.keep(out.history[[lo + r for r in [0, *path]]])  # positions L .. L+a
                 if p.k and a == 0:
                     self._back_off(p.state)
                 elif a:
@@ -611,8 +628,7 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
             if states is None or states.shape[0] != len(schedule_batch.reqs) or state.length != L:
                 self.forget(req.rid, leaving=False)  # hooks did not fire (a graph replay): no more drafts for it
                 continue
-            state.pending.append(states[i].clone())  # projected when it drafts again (_project_pending)
-            state.length = L + 1
+            state.keep(states[i: i + 1].clone())
         seconds = time.perf_counter() - self._stock_t0
         self.timing["stock"] += seconds
         self.timing["stock_steps"] += 1

@@ -14,8 +14,9 @@ steps would have seen after accepting those candidates.
 Candidates are drafted under the rules too (a chain: row j's prefix ends with candidate j-1), so
 the drafter never proposes a token the rules forbid, and with the engine's draft hint
 (``favour_pair_repeat``: after a segment's closing timestamp, propose the same timestamp to open
-the next one). Draft trees stay text-only: a tree node's
-rules depend on its own path.
+the next one). Greedy drafts use the engine's ``LogitRules.draft_chain``: every position shaped
+in one call, on the columns that can win. Draft trees stay text-only: a tree node's rules depend
+on its own path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import functools
 import torch
 from torch import Tensor
 
-from sglang_omni_flash.engine.logit_rules import ApplyTimestampRules, Prefix
+from sglang_omni_flash.engine.logit_rules import ApplyTimestampRules, LogitRules, Prefix
+from sglang_omni_flash.flash.accept import probs_from_logits, sample_tokens
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,9 +51,9 @@ class TimestampRows:
 
     def __init__(self, device):
         self.device = device
-        self._rules: dict[tuple, ApplyTimestampRules] = {}
+        self._rules: dict[tuple, LogitRules] = {}
 
-    def rules_for(self, req, vocab_size: int) -> ApplyTimestampRules | None:
+    def rules_for(self, req, vocab_size: int) -> LogitRules | None:
         if not is_timestamped(req):
             return None
         p = req.sampling_params.custom_params
@@ -59,28 +61,36 @@ class TimestampRows:
         key = (vocab_size, int(p["eos_token_id"]), int(p["no_timestamps_token_id"]),
                None if initial is None else int(initial))
         if key not in self._rules:
-            self._rules[key] = ApplyTimestampRules(*key, device=self.device)
+            self._rules[key] = LogitRules([ApplyTimestampRules(*key, device=self.device)])
         return self._rules[key]
 
-    def draft(self, rules: ApplyTimestampRules, logits: Tensor, generated: list[int], pick) -> tuple[Tensor, Tensor]:
-        """Chain candidates under the rules: (candidates [k], shaped logits [k, V]).
+    def draft(self, rules: LogitRules, logits: Tensor, generated: list[int]) -> tuple[Tensor, Tensor]:
+        """Greedy chain candidates under the rules, the engine's draft (`LogitRules.draft_chain`):
+        (candidates [k], the drafter's probability of each [k]) from drafter logits [k, V]."""
+        prefix = Prefix.from_tokens([generated], rules.timestamps.timestamp_begin, self.device)
+        candidates, confidence = rules.draft_chain(logits[None], prefix)
+        return candidates[0], confidence[0]
 
-        ``pick(row [1, V]) -> token [1]`` chooses each candidate (argmax, or a sample at T > 0);
-        logits [k, V] are modified in place."""
-        prefix = Prefix.from_tokens([generated], rules.timestamp_begin, self.device)
+    def draft_sampled(self, rules: LogitRules, logits: Tensor, generated: list[int],
+                      temperature: float) -> tuple[Tensor, Tensor]:
+        """Sampled chain candidates under the rules: (candidates [k], shaped logits [k, V]); each
+        candidate is drawn from its row shaped with the prefix that ends with the one before
+        (a sample cannot be guessed ahead, so row by row). logits are modified in place."""
+        ts = rules.timestamps
+        prefix = Prefix.from_tokens([generated], ts.timestamp_begin, self.device)
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j: j + 1]
-            rules.apply(row, prefix)
-            rules.favour_pair_repeat(row, prefix)
-            picks.append(pick(row))
-            prefix = prefix.extend(picks[-1], rules.timestamp_begin)
+            ts.apply(row, prefix)
+            ts.favour_pair_repeat(row, prefix)
+            picks.append(sample_tokens(probs_from_logits(row, temperature)))
+            prefix = prefix.extend(picks[-1], ts.timestamp_begin)
         return torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=self.device), logits
 
-    def verify(self, rules: ApplyTimestampRules, logits: Tensor, generated: list[int], candidates: list[int]) -> Tensor:
+    def verify(self, rules: LogitRules, logits: Tensor, generated: list[int], candidates: list[int]) -> Tensor:
         """Apply the rules in place to verify rows [k+1, V]: row i's prefix is generated + candidates[:i]."""
-        prefixes = [Prefix.from_tokens([generated], rules.timestamp_begin, self.device)]
+        tsb = rules.timestamps.timestamp_begin
+        prefixes = [Prefix.from_tokens([generated], tsb, self.device)]
         for token in candidates:
-            prefixes.append(prefixes[-1].extend(torch.tensor([token], device=self.device), rules.timestamp_begin))
-        rules.apply(logits, Prefix.interleave(prefixes))
-        return logits
+            prefixes.append(prefixes[-1].extend(torch.tensor([token], device=self.device), tsb))
+        return rules.apply(logits, Prefix.interleave(prefixes))
