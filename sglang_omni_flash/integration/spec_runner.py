@@ -12,15 +12,16 @@ seen by the target) and done ``seq_lens += 1``. ``custom_decode_forward`` then, 
 4. accepts with the core's rules (``flash.accept``: greedy prefix, or rejection sampling at
    T > 0), cut at the first accepted stop token,
 5. frees the slots of the rejected positions, commits the accepted candidates into sglang's
-   request/batch bookkeeping (``output_ids``, ``kv_*_len``, ``seq_lens*``) and appends the
-   history states of anchor + accepted positions to the drafter's cache,
+   request/batch bookkeeping (``output_ids``, ``kv_*_len``, ``seq_lens*``) and keeps the
+   history states of anchor + accepted positions for the drafter (projected, with every other
+   pending row of the batch, in one drafter call when the request drafts again),
 6. returns the target's next token (correction or bonus) as this step's sampled token, so the
    scheduler's own result processing appends it, checks EOS / max_new_tokens and frees
    finished requests exactly as in plain decoding.
 
 Invariant between steps: ``kv_allocated_len == kv_committed_len`` (sglang asserts it on every
 release path when no spec algorithm is configured) and the drafter history of a request holds
-exactly its committed decoder positions. Timestamped requests speculate under Whisper's
+exactly its committed decoder positions, projected or pending. Timestamped requests speculate under Whisper's
 timestamp rules, applied to every draft and verify row with that row's prefix
 (``timestamp_rows``). A step the worker cannot speculate (other custom logit processors,
 logprobs, penalties, no free slots, no request with a draft) is the stock decode, with forward
