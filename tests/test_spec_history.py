@@ -63,3 +63,35 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
         for (rk, rv), (gk, gv) in zip(reference, got.hist):
             torch.testing.assert_close(gk[:, :, : got.length], rk, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(gv[:, :, : got.length], rv, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engines_deferred_history_equals_history_projected_as_observed():
+    """engine.DrafterProposer keeps observed target states pending and projects them at the next
+    proposal or retirement, all in one call, in the order observed: a position that a round
+    rejected and a later step observes again holds the later state."""
+    from sglang_omni_flash.engine.engine import DrafterProposer
+
+    torch.manual_seed(2)
+    drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
+    n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
+    g = torch.Generator().manual_seed(5)
+    batch = 3
+    observed = [  # (states [n, T, n_hist, d], positions [n, T]): prefill, a round of 4 rows, two steps
+        (torch.randn(batch, 4, n_hist, d, generator=g), torch.arange(4).expand(batch, 4)),
+        (torch.randn(batch, 4, n_hist, d, generator=g), torch.arange(4, 8).expand(batch, 4)),
+        (torch.randn(batch, 1, n_hist, d, generator=g), torch.full((batch, 1), 5)),  # rewrites position 5
+        (torch.randn(batch, 1, n_hist, d, generator=g), torch.full((batch, 1), 6)),
+    ]
+    proposer = DrafterProposer(drafter, batch=batch, max_len=MAX_POSITIONS, enc_len=8, cuda_graphs=False)
+    with torch.inference_mode():
+        for states, positions in observed:
+            proposer.observe(states, positions)
+        assert len(proposer._pending) == len(observed)
+        proposer._project_pending()
+        want_k = torch.zeros_like(proposer.hist_k)
+        for states, positions in observed:  # the drafter's own projection, one observation at a time
+            layers = drafter.history_kv(drafter.project_history(states), positions)
+            for i, (k, _) in enumerate(layers):
+                want_k[i, :, :, positions[0]] = k
+    torch.testing.assert_close(proposer.hist_k, want_k, rtol=1e-5, atol=1e-6)
+    assert not proposer._pending

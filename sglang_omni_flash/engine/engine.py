@@ -214,12 +214,14 @@ class DrafterProposer:
         self._rows = torch.arange(rows, device=self.device)[:, None, None]
         self._graphs: dict = {}
         self._graph_failed = False
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states, positions) not yet projected
         if self.graphs_on:
             self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
             self._anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
             self._pool = torch.cuda.graph_pool_handle()
 
     def start(self, encoder_out: torch.Tensor) -> None:
+        self._pending.clear()  # what a finished decode left unprojected
         if self.use_audio:
             b = encoder_out.shape[0]
             for i, (k, v) in enumerate(self.drafter.acoustic_kv(encoder_out)):
@@ -236,6 +238,7 @@ class DrafterProposer:
         return hist, acoustic
 
     def propose(self, inputs: RoundInputs) -> Proposal:
+        self._project_pending()
         n = inputs.anchor.shape[0]
         if self.graphs_on and not self._graph_failed:
             return Proposal(logits=self._propose_graph(inputs.anchor, inputs.anchor_pos))
@@ -271,16 +274,33 @@ class DrafterProposer:
         return capture_cuda_graph(fwd, self._pool)
 
     def observe(self, states, positions) -> None:
+        """Keep the target's history states [n, T, n_hist, d] of these positions [n, T]. The
+        drafter projects them when it next proposes (or before rows are retired), every pending
+        position in one call: plain steps that the pacer takes instead of rounds then cost no
+        drafter call each."""
         if not self.use_history or states is None:
             return
-        n = positions.shape[0]
-        history = self.drafter.project_history(states)  # [n, T, d]
-        index = (self._rows[:n], self._heads, positions[:, None, :])
-        for i, (k, v) in enumerate(self.drafter.history_kv(history, positions)):
-            self.hist_k[i, :n].index_put_(index, k)
-            self.hist_v[i, :n].index_put_(index, v)
+        self._pending.append((states.clone(), positions))  # a backend may reuse its states buffer
+
+    def _project_pending(self) -> None:
+        if not self._pending:
+            return
+        n = self._pending[0][1].shape[0]
+        states = torch.cat([s for s, _ in self._pending], dim=1)
+        positions = torch.cat([p for _, p in self._pending], dim=1)
+        layers = self.drafter.history_kv(self.drafter.project_history(states), positions)  # (k, v) [n, H, T, hd]
+        start = 0
+        for _, pos in self._pending:  # in the order observed: a position a round rejected comes again later
+            t = pos.shape[1]
+            index = (self._rows[:n], self._heads, pos[:, None, :])
+            for i, (k, v) in enumerate(layers):
+                self.hist_k[i, :n].index_put_(index, k[:, :, start:start + t])
+                self.hist_v[i, :n].index_put_(index, v[:, :, start:start + t])
+            start += t
+        self._pending.clear()
 
     def retire(self, keep: torch.Tensor) -> None:
+        self._project_pending()  # pending rows are numbered as before the retirement
         m = keep.numel()
         for buf in (self.hist_k, self.hist_v, self.ac_k, self.ac_v):
             if buf is not None:
