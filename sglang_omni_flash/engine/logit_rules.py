@@ -278,8 +278,8 @@ class LogitRules:
             rows.masked_fill_(~is_timestamp & (stamps > best_text)[:, None], NEG_INF)
             ts.favour_pair_repeat(rows, rows_prefix, columns)
 
-        candidates, shaped, _ = greedy_chain(shape, values.view(batch, k, -1), prefix, tsb,
-                                             columns.view(batch, k, -1))
+        candidates, shaped = greedy_chain(shape, values.view(batch, k, -1), prefix, tsb,
+                                          columns.view(batch, k, -1))
         shaped = shaped.reshape(batch * k, -1).float()
         text_allowed = shaped[:, : text.shape[1]].amax(dim=-1) > NEG_INF
         rest = torch.where(text_allowed, rest_of_text, torch.full_like(rest_of_text, NEG_INF))
@@ -310,7 +310,7 @@ def greedy_chain(shape, logits: torch.Tensor, prefix: Prefix, timestamp_begin: i
 
     shape(rows [R, C], prefix of R rows) shapes rows in place; logits [B, k, C] are left as they
     are; columns [B, k, C]: the token id of each column (None: column c is token c).
-    Returns (candidates [B, k], shaped logits [B, k, C], the prefixes of positions 0..k-1).
+    Returns (candidates [B, k], shaped logits [B, k, C]).
     """
     batch, k, width = logits.shape
 
@@ -318,7 +318,7 @@ def greedy_chain(shape, logits: torch.Tensor, prefix: Prefix, timestamp_begin: i
         return best if columns is None else columns.gather(-1, best[..., None])[..., 0]
 
     if k == 0:
-        return tokens(logits.argmax(-1)), logits.clone(), []
+        return tokens(logits.argmax(-1)), logits.clone()
     guess = tokens(logits.argmax(-1))
     for _ in range(k + 1):
         prefixes = [prefix]
@@ -330,4 +330,4 @@ def greedy_chain(shape, logits: torch.Tensor, prefix: Prefix, timestamp_begin: i
         if torch.equal(picks, guess):
             break
         guess = picks
-    return picks, shaped.view(batch, k, width), prefixes
+    return picks, shaped.view(batch, k, width)
