@@ -19,7 +19,7 @@ def test_first_a_round_then_a_step_then_by_cost():
 
 
 def test_rounds_that_do_not_pay_back_off_and_are_probed_again():
-    pacer = Pacer(max_backoff=4, smoothing=1.0)
+    pacer = Pacer(max_backoff=4, smoothing=1.0, probe_budget=1.0)  # the doubling alone
     pacer.record_round(2, 0.030, tokens_per_request=1.2)
     pacer.record_step(2, 0.015)  # a round costs 2 steps and brings 1.2 tokens
     gaps, plain = [], 0
@@ -46,6 +46,19 @@ def test_an_unmeasured_batch_size_borrows_the_nearest_ratio():
     pacer.record_round(1, 0.02, 2.0)
     pacer.record_step(1, 0.015)
     assert pacer.cost_ratio(2) == pytest.approx(0.02 / 0.015)
+
+
+def test_probes_are_rarer_where_a_round_costs_far_more_than_it_brings():
+    pacer = Pacer(max_backoff=64, smoothing=1.0, probe_budget=0.05)
+    pacer.record_round(8, 0.12, 2.0)
+    pacer.record_step(8, 0.03)  # at 8 requests a round costs 4 steps and brings 2: a probe loses 2
+    assert not pacer.speculate(8)
+    assert pacer.skip == 40  # 2 steps lost in at most 5% of the plain steps before the probe
+    pacer.record_round(1, 0.0205, 2.0)
+    pacer.record_step(1, 0.010)  # at 1 request a round costs 2.05 steps: a probe loses 0.05
+    pacer.skip = 0
+    assert not pacer.speculate(1)
+    assert pacer.skip == 2  # the doubling back-off (1, 2, ...) is longer than the budget asks
 
 
 # ------------------------------------------------------------------- in real decoding (tiny.en, fp32)

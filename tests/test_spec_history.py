@@ -67,7 +67,7 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
 
 def test_the_engines_deferred_history_equals_history_projected_as_observed():
     """engine.DrafterProposer keeps observed target states pending and projects them at the next
-    proposal or retirement, all in one call, in the order observed: a position that a round
+    proposal, all in one call, in the order observed: a position that a round
     rejected and a later step observes again holds the later state."""
     from sglang_omni_flash.engine.engine import DrafterProposer
 
@@ -95,3 +95,52 @@ def test_the_engines_deferred_history_equals_history_projected_as_observed():
                 want_k[i, :, :, positions[0]] = k
     torch.testing.assert_close(proposer.hist_k, want_k, rtol=1e-5, atol=1e-6)
     assert not proposer._pending
+
+
+def test_the_engines_lazy_retirement_and_acoustic_kv_keep_the_live_rows_memories():
+    """Retiring rows cuts the pending states to the live rows and compacts the drafter's K/V only
+    when it next runs, and the acoustic K/V are made then, for the live rows: they then hold the same
+    history and audio as if every observation had been projected at once, the acoustic K/V made at
+    the start and every retirement compacted at once."""
+    from sglang_omni_flash.engine.engine import DrafterProposer
+
+    torch.manual_seed(3)
+    drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
+    n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
+    g = torch.Generator().manual_seed(7)
+    batch, enc_len = 4, 8
+    encoder_out = torch.randn(batch, enc_len, drafter.config.d_model, generator=g)
+    lazy = DrafterProposer(drafter, batch=batch, max_len=MAX_POSITIONS, enc_len=enc_len, cuda_graphs=False)
+    eager = DrafterProposer(drafter, batch=batch, max_len=MAX_POSITIONS, enc_len=enc_len, cuda_graphs=False)
+    # observe T positions from p; retire keeping these of the live rows; catch up (what a proposal does first)
+    script = [("observe", 3, 0), ("observe", 2, 3), ("retire", [0, 2, 3]), ("catch up",),
+              ("observe", 1, 5), ("retire", [1, 2]), ("observe", 1, 6), ("catch up",)]
+    with torch.inference_mode():
+        lazy.start(encoder_out)
+        eager.start(encoder_out)
+        eager._catch_up()  # the acoustic K/V at once
+        assert lazy._audio is not None and eager._audio is None
+        live = batch
+        for op in script:
+            if op[0] == "observe":
+                _, t, p = op
+                states = torch.randn(live, t, n_hist, d, generator=g)
+                positions = torch.arange(p, p + t).expand(live, t)
+                lazy.observe(states, positions)
+                eager.observe(states, positions)
+                eager._project_pending()
+            elif op[0] == "retire":
+                keep = torch.tensor(op[1])
+                lazy.retire(keep)
+                eager._project_pending()
+                m = keep.numel()
+                for buf in (eager.hist_k, eager.hist_v, eager.ac_k, eager.ac_v):
+                    buf[:, :m] = buf.index_select(1, keep)
+                live = m
+            else:
+                lazy._catch_up()
+        assert lazy._order is None and not lazy._pending and lazy._audio is None
+    for got, want in ((lazy.hist_k, eager.hist_k), (lazy.hist_v, eager.hist_v),
+                      (lazy.ac_k, eager.ac_k), (lazy.ac_v, eager.ac_v)):
+        torch.testing.assert_close(got[:, :live], want[:, :live], rtol=1e-5, atol=1e-6)
+    assert live == 2 and lazy.hist_k[:, :live, :, 6].abs().sum() > 0

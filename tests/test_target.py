@@ -99,3 +99,21 @@ def test_single_token_step_without_mask_matches_masked(hf_model, encoder_out):
         a, _ = target.forward(ids[:, 5:], pos, cache, cross, kv_len=6, masked=False)
         b, _ = target.forward(ids[:, 5:], pos, cache, cross, kv_len=None)
     assert close(a, b)
+
+
+@pytest.mark.parametrize("keep", [[0, 2, 3], [1, 3], [3], [0, 1, 2, 3]])
+def test_compaction_moves_the_kept_rows_to_the_front(keep):
+    """`compact_rows` (caches with transposed keys, and the drafter's K/V) equals the gather it replaces."""
+    from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
+
+    g = torch.Generator().manual_seed(len(keep))
+    for transposed in (False, True):
+        cache = KVCache(2, 4, 3, 10, 5, torch.float32, "cpu", keys_transposed=transposed)
+        cross = CrossKV(2, 4, 3, 7, 5, torch.float32, "cpu", keys_transposed=transposed)
+        for buf in (cache.k, cache.v, cross.k, cross.v):
+            buf.copy_(torch.randn(buf.shape, generator=g))
+        want = [buf.index_select(1, torch.tensor(keep)).clone() for buf in (cache.k, cache.v, cross.k, cross.v)]
+        cache.compact(torch.tensor(keep))
+        cross.compact(torch.tensor(keep))
+        for buf, w in zip((cache.k, cache.v, cross.k, cross.v), want):
+            assert torch.equal(buf[:, : len(keep)], w)

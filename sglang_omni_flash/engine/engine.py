@@ -23,6 +23,7 @@ import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
 from sglang_omni_flash.engine.fallback import judge
+from sglang_omni_flash.engine.kv_cache import compact_rows
 from sglang_omni_flash.engine.logit_rules import LogitRules
 from sglang_omni_flash.engine.options import (
     MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_pace, default_tree,
@@ -215,6 +216,9 @@ class DrafterProposer:
         self._graphs: dict = {}
         self._graph_failed = False
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states, positions) not yet projected
+        self._order: torch.Tensor | None = None  # buffer row of each live row while retirements are pending
+        self._audio: torch.Tensor | None = None  # this batch's encoder output until its acoustic K/V are made
+        self._audio_rows: torch.Tensor | None = None
         if self.graphs_on:
             self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
             self._anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -222,11 +226,11 @@ class DrafterProposer:
 
     def start(self, encoder_out: torch.Tensor) -> None:
         self._pending.clear()  # what a finished decode left unprojected
-        if self.use_audio:
-            b = encoder_out.shape[0]
-            for i, (k, v) in enumerate(self.drafter.acoustic_kv(encoder_out)):
-                self.ac_k[i, :b].copy_(k)
-                self.ac_v[i, :b].copy_(v)
+        self._order = None
+        # the acoustic K/V (~18 ms a request for base on a 2-core CPU) are made at the first proposal,
+        # for the requests still live: a batch the pacer decodes in plain steps never pays them
+        self._audio = encoder_out if self.use_audio else None
+        self._audio_rows = None  # rows of `_audio` still live (None: all)
 
     def _memories(self, n: int, window: int | None):
         hist = acoustic = None
@@ -238,7 +242,7 @@ class DrafterProposer:
         return hist, acoustic
 
     def propose(self, inputs: RoundInputs) -> Proposal:
-        self._project_pending()
+        self._catch_up()
         n = inputs.anchor.shape[0]
         if self.graphs_on and not self._graph_failed:
             return Proposal(logits=self._propose_graph(inputs.anchor, inputs.anchor_pos))
@@ -275,12 +279,29 @@ class DrafterProposer:
 
     def observe(self, states, positions) -> None:
         """Keep the target's history states [n, T, n_hist, d] of these positions [n, T]. The
-        drafter projects them when it next proposes (or before rows are retired), every pending
-        position in one call: plain steps that the pacer takes instead of rounds then cost no
-        drafter call each."""
+        drafter projects them when it next proposes, every pending position in one call: plain
+        steps that the pacer takes instead of rounds then cost no drafter call each."""
         if not self.use_history or states is None:
             return
         self._pending.append((states.clone(), positions))  # a backend may reuse its states buffer
+
+    def _catch_up(self) -> None:
+        """Before the drafter runs: compact its K/V after retirements, project the pending history,
+        and make the acoustic K/V if this batch has none yet."""
+        self._compact()
+        self._project_pending()
+        self.prepare()
+
+    def prepare(self) -> None:
+        """The acoustic K/V of the live requests, once per batch."""
+        if self._audio is None:
+            return
+        self._compact()
+        audio = self._audio if self._audio_rows is None else self._audio.index_select(0, self._audio_rows)
+        for i, (k, v) in enumerate(self.drafter.acoustic_kv(audio)):
+            self.ac_k[i, : audio.shape[0]].copy_(k)
+            self.ac_v[i, : audio.shape[0]].copy_(v)
+        self._audio = self._audio_rows = None
 
     def _project_pending(self) -> None:
         if not self._pending:
@@ -300,11 +321,22 @@ class DrafterProposer:
         self._pending.clear()
 
     def retire(self, keep: torch.Tensor) -> None:
-        self._project_pending()  # pending rows are numbered as before the retirement
-        m = keep.numel()
-        for buf in (self.hist_k, self.hist_v, self.ac_k, self.ac_v):
-            if buf is not None:
-                buf[:, :m] = buf.index_select(1, keep)
+        """Only rows `keep` stay. Pending states are cut to those rows; the K/V buffers (~130 MB
+        for base at batch 8) are compacted only when the drafter next runs, so a batch the pacer
+        finishes on plain steps never copies them."""
+        self._pending = [(s[keep], p[keep]) for s, p in self._pending]
+        if self._audio is not None:
+            self._audio_rows = keep if self._audio_rows is None else self._audio_rows[keep]
+        self._order = keep if self._order is None else self._order[keep]
+
+    def _compact(self) -> None:
+        """Move the live rows' K/V (buffer rows `_order`) to rows 0..m-1."""
+        if self._order is None:
+            return
+        made = self._audio is None  # acoustic K/V not made yet: nothing of theirs to move
+        buffers = (self.hist_k, self.hist_v) + ((self.ac_k, self.ac_v) if made else ())
+        compact_rows([b for b in buffers if b is not None], self._order)
+        self._order = None
 
 
 # -------------------------------------------------------------------------------------- engine
@@ -351,7 +383,10 @@ class WhisperFlashEngine:
         self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
                                else default_min_draft_prob(self.device.type, self.dtype))
         self.pace = default_pace(self.device.type) if options.pace is None else options.pace
-        self.pacer: Pacer | None = None  # the last decode call's (its measured costs, for reports)
+        # the drafter's pacer lives as long as the engine: costs per batch size and the running gain
+        # carry from one decode call to the next (test proposers get a fresh pacer per call)
+        self._drafter_pacer = Pacer()
+        self.pacer: Pacer | None = None  # the last decode call's
         if options.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
 
@@ -372,6 +407,7 @@ class WhisperFlashEngine:
             self.drafter = self.drafter.to(device=self.device, dtype=self.dtype).eval()
             int8 = options.drafter_int8
             self.drafter.set_cpu_int8(default_drafter_int8(self.device.type, self.dtype) if int8 is None else int8)
+            self._warm_up_drafter()
         history_layers = self.drafter.config.history_layers if self.drafter is not None else ()
         self.target = WhisperTarget(self.model, history_layers)
         self.timing = Timing()
@@ -389,6 +425,19 @@ class WhisperFlashEngine:
         if self.drafter is not None:
             max_len = self.target.max_positions + SLACK
             self.proposer = DrafterProposer(self.drafter, batch_size, max_len, enc_len, graphs)
+
+    @torch.inference_mode()
+    def _warm_up_drafter(self) -> None:
+        """One draft of a made-up request. The drafter's first call pays one-time kernel set-up
+        (~0.4 s on a CPU with int8 weights); in the first round it would set the pacer's price of a
+        round far too high, and the pacer would step aside while that average decays."""
+        d, cfg = self.drafter, self.drafter.config
+        z = dict(device=self.device, dtype=self.dtype)
+        hist = d.history_kv(d.project_history(torch.zeros(1, 4, len(cfg.history_layers), cfg.d_model, **z)),
+                            torch.arange(4, device=self.device)[None]) if cfg.use_history else None
+        acoustic = d.acoustic_kv(torch.zeros(1, 8, cfg.d_model, **z)) if cfg.use_audio else None
+        at = torch.tensor([4], device=self.device)
+        d(torch.zeros(1, dtype=torch.long, device=self.device), at, hist, at, acoustic)
 
     # -- loading -----------------------------------------------------------------------------
     def _load_drafter(self):
@@ -452,8 +501,9 @@ class WhisperFlashEngine:
             proposer = None
         source = features if encoder_out is None else encoder_out
         self.timing = Timing()
-        # one pacer per call: costs are measured afresh for this batch size and audio
-        self.pacer = Pacer() if self.pace and proposer is not None else None
+        self.pacer = None
+        if self.pace and proposer is not None:
+            self.pacer = self._drafter_pacer if proposer is self.proposer else Pacer()
         fallback = opts.temperature == 0 and bool(opts.temperature_fallback)
         generator = self._generator(fallback)  # one seeded stream per call
         results: list[DecodeResult] = []

@@ -12,6 +12,20 @@ from __future__ import annotations
 import torch
 
 
+def compact_rows(buffers, keep: torch.Tensor) -> None:
+    """Move rows `keep` (ascending) of each buffer [layers, B, ...] to rows 0..m-1, in place.
+
+    Row by row on the buffers' storage: rows already in place are not touched, nothing is gathered
+    into a temporary, and a transposed-key buffer is copied in its own contiguous layout (an
+    `index_select` through the transposed view was a strided copy of every row: ~75 ms when a row of
+    base retired at batch 4). Ascending order makes it safe: row j's source is never below j, and
+    every later source lies above j."""
+    for j, src in enumerate(keep.tolist()):
+        if src != j:
+            for buf in buffers:
+                buf[:, j].copy_(buf[:, src])
+
+
 def _keys(shape, dtype, device, transposed: bool):
     """(storage, [.., L, hd] view): with `transposed` the storage is [.., hd, L] (what the row-invariant
     CPU attention reads, contiguous over keys) and the view its transpose; else both are one tensor."""
@@ -57,9 +71,7 @@ class KVCache:
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move rows `keep` (ascending) to the front."""
-        m = keep.numel()
-        self.k[:, :m] = self.k.index_select(1, keep)
-        self.v[:, :m] = self.v.index_select(1, keep)
+        compact_rows((self.kt, self.v), keep)
 
 
 class CrossKV:
@@ -73,6 +85,4 @@ class CrossKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def compact(self, keep: torch.Tensor) -> None:
-        m = keep.numel()
-        self.k[:, :m] = self.k.index_select(1, keep)
-        self.v[:, :m] = self.v.index_select(1, keep)
+        compact_rows((self.kt, self.v), keep)

@@ -15,6 +15,7 @@ made-up timings).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -23,24 +24,31 @@ class Pacer:
     margin: float = 0.02  # a round must beat plain steps by this fraction (timing noise)
     smoothing: float = 0.3  # weight of the newest measurement in the running averages
     max_backoff: int = 64  # most plain steps before a round is tried again (a probe that does not pay costs)
+    # a probe may lose at most this share of the plain steps taken before it: where a round costs
+    # far more than it brings (a full batch on a CPU), probes come rarely
+    probe_budget: float = 0.05
     step_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a plain step
     round_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a round
     gain: float | None = None  # tokens per request per round
+    # one-off seconds per request before a batch's first round (the drafter's acoustic K/V): a probe
+    # into a batch that has not paid them yet must also earn them back
+    setup_s: float = 0.0
     skip: int = 0  # plain steps left before the next round is considered
     backoff: int = 1
     rounds: int = 0  # decisions taken (for reports)
     steps: int = 0
 
-    def speculate(self, n: int) -> bool:
-        """Take a round now (True) or a plain step (False) with n live requests."""
-        decision = self._decide(n)
+    def speculate(self, n: int, ready: bool = True) -> bool:
+        """Take a round now (True) or a plain step (False) with n live requests; `ready`: this
+        batch has paid its one-off set-up."""
+        decision = self._decide(n, ready)
         if decision:
             self.rounds += 1
         else:
             self.steps += 1
         return decision
 
-    def _decide(self, n: int) -> bool:
+    def _decide(self, n: int, ready: bool) -> bool:
         ratio = self.cost_ratio(n)
         if ratio is None or self.gain is None:
             return not self.round_s  # measure a round first (speculation is the default), then a step
@@ -50,7 +58,11 @@ class Pacer:
         if self.gain >= (1.0 + self.margin) * ratio:
             self.backoff = 1
             return True
-        self.skip = self.backoff
+        loss = ratio - self.gain  # plain steps a probe at this ratio and gain would lose
+        step = self.step_s.get(n)
+        if not ready and step:
+            loss += self.setup_s * n / step
+        self.skip = min(self.max_backoff, max(self.backoff, math.ceil(loss / self.probe_budget)))
         self.backoff = min(self.max_backoff, 2 * self.backoff)
         return False
 
@@ -71,6 +83,9 @@ class Pacer:
     def record_round(self, n: int, seconds: float, tokens_per_request: float) -> None:
         self.round_s[n] = self._average(self.round_s.get(n), seconds)
         self.gain = self._average(self.gain, tokens_per_request)
+
+    def record_setup(self, n: int, seconds: float) -> None:
+        self.setup_s = self._average(self.setup_s or None, seconds / n)
 
     def record_step(self, n: int, seconds: float) -> None:
         self.step_s[n] = self._average(self.step_s.get(n), seconds)

@@ -110,6 +110,9 @@ class Proposer(Protocol):
 
     def retire(self, keep: torch.Tensor) -> None: ...
 
+    # optional: `prepare()`, one-off work of a batch before its first proposal (made by `propose`
+    # itself when not called); the pacer times it apart from the round
+
 
 # ------------------------------------------------------------------------------------ results
 
@@ -182,6 +185,7 @@ class SpeculativeDecoder:
         self.pacer = pacer
         self.clock = clock
         self._plain = False  # the last call was a plain step
+        self._retire_s = 0.0  # seconds the last call spent retiring finished rows
         # greedy rounds without timestamp rules verify a draft tree of this many nodes instead of
         # one chain (`flash.tree`; 0 = the paper's chain); the backend must offer `move`
         self.tree_nodes = int(tree_nodes)
@@ -203,6 +207,7 @@ class SpeculativeDecoder:
         `request_ids` (default 0..n-1) is what proposers see as `RoundInputs.request_ids`."""
         results = [DecodeResult(tokens=[], prompt=list(p)) for p in prompts]
         self.request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        self._ready = not hasattr(self.proposer, "prepare")  # the proposer's set-up for this batch done
         rows = self.prefill(prompts, budgets, results)
         while rows:
             if self.pacer is None or self.proposer is None:
@@ -215,11 +220,17 @@ class SpeculativeDecoder:
         """A round or a plain step, as the pacer decides; its cost and yield go back to the pacer."""
         n, live = len(rows), list(rows)
         before = sum(len(r.generated) for r in live)
-        speculate = self.pacer.speculate(n)
+        speculate = self.pacer.speculate(n, ready=self._ready)
+        if speculate and not self._ready:  # the batch's one-off drafter set-up, timed apart from the round
+            start = self.clock()
+            self.proposer.prepare()
+            self.pacer.record_setup(n, self.clock() - start)
+            self._ready = True
         self._plain = False
+        self._retire_s = 0.0
         start = self.clock()
         rows = self.round(live, results) if speculate else self.step(live, results)
-        seconds = self.clock() - start
+        seconds = self.clock() - start - self._retire_s  # retiring rows costs the same either way
         if self._plain:  # a plain step (or a round with no candidate left in any budget)
             self.pacer.record_step(n, seconds)
         else:
@@ -460,8 +471,10 @@ class SpeculativeDecoder:
         if len(alive) == len(rows):
             return rows
         if alive:
+            start = self.clock()
             keep = torch.tensor(alive, dtype=torch.long, device=self.device)
             self.backend.retire(keep)
             if self.proposer is not None:
                 self.proposer.retire(keep)
+            self._retire_s += self.clock() - start
         return [rows[i] for i in alive]
