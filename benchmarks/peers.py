@@ -56,6 +56,8 @@ class EngineRow(Row):
         self.engine, self.speculative, self.name = engine, speculative, label
 
     def run(self, waves):
+        pacer = self.engine.drafter_pacer  # lives as long as the engine: count this call's decisions
+        before = (pacer.rounds, pacer.steps)
         start = time.perf_counter()
         results = self.engine.decode(self.engine.log_mel(waves), speculative=self.speculative)
         total = time.perf_counter() - start
@@ -64,7 +66,7 @@ class EngineRow(Row):
             calls = sum(r.target_calls for r in results)
             extra = {"tau": sum(len(r.tokens) for r in results) / calls, "target_calls": calls}
             if self.engine.pacer is not None:
-                extra |= {"paced_rounds": self.engine.pacer.rounds, "paced_steps": self.engine.pacer.steps}
+                extra |= {"paced_rounds": pacer.rounds - before[0], "paced_steps": pacer.steps - before[1]}
         decode = self.engine.timing.decode_s
         return [r.text for r in results], [r.tokens for r in results], total, total - decode, extra
 

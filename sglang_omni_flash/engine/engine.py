@@ -385,7 +385,7 @@ class WhisperFlashEngine:
         self.pace = default_pace(self.device.type) if options.pace is None else options.pace
         # the drafter's pacer lives as long as the engine: costs per batch size and the running gain
         # carry from one decode call to the next (test proposers get a fresh pacer per call)
-        self._drafter_pacer = Pacer()
+        self.drafter_pacer = Pacer()
         self.pacer: Pacer | None = None  # the last decode call's
         if options.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
@@ -503,7 +503,7 @@ class WhisperFlashEngine:
         self.timing = Timing()
         self.pacer = None
         if self.pace and proposer is not None:
-            self.pacer = self._drafter_pacer if proposer is self.proposer else Pacer()
+            self.pacer = self.drafter_pacer if proposer is self.proposer else Pacer()
         fallback = opts.temperature == 0 and bool(opts.temperature_fallback)
         generator = self._generator(fallback)  # one seeded stream per call
         results: list[DecodeResult] = []
