@@ -218,7 +218,6 @@ class DrafterProposer:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states, positions) not yet projected
         self._order: torch.Tensor | None = None  # buffer row of each live row while retirements are pending
         self._audio: torch.Tensor | None = None  # this batch's encoder output until its acoustic K/V are made
-        self._audio_rows: torch.Tensor | None = None
         if self.graphs_on:
             self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
             self._anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -230,7 +229,6 @@ class DrafterProposer:
         # the acoustic K/V (~18 ms a request for base on a 2-core CPU) are made at the first proposal,
         # for the requests still live: a batch the pacer decodes in plain steps never pays them
         self._audio = encoder_out if self.use_audio else None
-        self._audio_rows = None  # rows of `_audio` still live (None: all)
 
     def _memories(self, n: int, window: int | None):
         hist = acoustic = None
@@ -288,20 +286,21 @@ class DrafterProposer:
     def _catch_up(self) -> None:
         """Before the drafter runs: compact its K/V after retirements, project the pending history,
         and make the acoustic K/V if this batch has none yet."""
+        self.prepare()  # first: it reads the live rows from `_order` before compacting
         self._compact()
         self._project_pending()
-        self.prepare()
 
     def prepare(self) -> None:
         """The acoustic K/V of the live requests, once per batch."""
         if self._audio is None:
             return
-        self._compact()
-        audio = self._audio if self._audio_rows is None else self._audio.index_select(0, self._audio_rows)
+        # until the acoustic K/V exist nothing else compacts, so `_order` is also `_audio`'s live rows
+        audio = self._audio if self._order is None else self._audio.index_select(0, self._order)
+        self._compact()  # the history rows; the acoustic rows are written below, already in live order
         for i, (k, v) in enumerate(self.drafter.acoustic_kv(audio)):
             self.ac_k[i, : audio.shape[0]].copy_(k)
             self.ac_v[i, : audio.shape[0]].copy_(v)
-        self._audio = self._audio_rows = None
+        self._audio = None
 
     def _project_pending(self) -> None:
         if not self._pending:
@@ -325,8 +324,6 @@ class DrafterProposer:
         for base at batch 8) are compacted only when the drafter next runs, so a batch the pacer
         finishes on plain steps never copies them."""
         self._pending = [(s[keep], p[keep]) for s, p in self._pending]
-        if self._audio is not None:
-            self._audio_rows = keep if self._audio_rows is None else self._audio_rows[keep]
         self._order = keep if self._order is None else self._order[keep]
 
     def _compact(self) -> None:

@@ -32,7 +32,7 @@ class Pacer:
     gain: float | None = None  # tokens per request per round
     # one-off seconds per request before a batch's first round (the drafter's acoustic K/V): a probe
     # into a batch that has not paid them yet must also earn them back
-    setup_s: float = 0.0
+    setup_s: float | None = None
     skip: int = 0  # plain steps left before the next round is considered
     backoff: int = 1
     rounds: int = 0  # decisions taken (for reports)
@@ -60,7 +60,7 @@ class Pacer:
             return True
         loss = ratio - self.gain  # plain steps a probe at this ratio and gain would lose
         step = self.step_s.get(n)
-        if not ready and step:
+        if not ready and step and self.setup_s is not None:
             loss += self.setup_s * n / step
         self.skip = min(self.max_backoff, max(self.backoff, math.ceil(loss / self.probe_budget)))
         self.backoff = min(self.max_backoff, 2 * self.backoff)
@@ -85,7 +85,7 @@ class Pacer:
         self.gain = self._average(self.gain, tokens_per_request)
 
     def record_setup(self, n: int, seconds: float) -> None:
-        self.setup_s = self._average(self.setup_s or None, seconds / n)
+        self.setup_s = self._average(self.setup_s, seconds / n)
 
     def record_step(self, n: int, seconds: float) -> None:
         self.step_s[n] = self._average(self.step_s.get(n), seconds)
