@@ -5,6 +5,7 @@ A handful of real test clips and tiny.en keep it to about a minute; the shipped 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -96,6 +97,11 @@ def test_shipped_recipes_load_and_name_their_warm_start_commit():
         assert recipe.corpora_for("train") and recipe.corpora_for("validation") and recipe.corpora_for("evaluate")
         init = recipe.train["init"]
         assert isinstance(init, dict) and set(init) == {"git", "path"}
+        # each picks by the worst validation set and merges with its warm start (a fine-tune forgets)
+        train = {k: v for k, v in recipe.train.items() if k != "init"}
+        assert train["select"] == "worst_gain" and train["merge"] == [0.25, 0.5, 0.75]
+        options = RecipeRun(dataclasses.replace(recipe, train=train), progress=False).train_options()
+        assert options.merge == (0.25, 0.5, 0.75) and len(options.validation) == 2
     for name in ("drafter-large-v3-gpu.yaml", "drafter-large-v3-gpu-stage2.yaml"):  # paper scale: the same command
         recipe = load_recipe(configs / name)
         run = RecipeRun(recipe, progress=False)

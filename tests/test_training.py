@@ -380,3 +380,51 @@ def test_eval_drafter_tallies_real_decoding_by_voice(tiny_en_model_dir, test_set
         assert figures["target_wer"] == pytest.approx(target_wer(*zip(*mine)))
     table = format_table("test", result)
     assert all(f"| {voice} |" in table for voice in voices) and "target WER" in table
+
+
+def test_merge_keeps_the_interpolation_the_worst_validation_set_prefers(teacher, tiny_en_model_dir, tmp_path):
+    """A warm-started run validated per folder, selected by worst_gain, then merged with its warm start."""
+    import json
+    import os
+
+    from sglang_omni_flash.errors import UserError
+    from sglang_omni_flash.flash.checkpoint import load_drafter
+    from sglang_omni_flash.training.merge import interpolate
+
+    first = Trainer(_options(teacher, tmp_path / "first", model=str(tiny_en_model_dir), steps=4, eval_every=4),
+                    progress=False)
+    first.run()
+    start = str(tmp_path / "first" / "best")
+    opts = _options(teacher, tmp_path / "tune", model=str(tiny_en_model_dir), steps=6, eval_every=3, init=start,
+                    validation=(str(teacher), str(teacher)), select="worst_gain", merge=(0.25, 0.5))
+    tune = Trainer(opts, progress=False)
+    assert list(tune.val_sets) == [teacher.name, teacher.name + "+"]
+    summary = tune.run()
+    # the warm start's own figures per folder, measured before the first update
+    assert set(summary["baseline"]) == set(tune.val_sets)
+    start_metrics = json.loads((tmp_path / "first" / "best" / "metrics.json").read_text())
+    for value in summary["baseline"].values():
+        assert value == pytest.approx(start_metrics["rollout_tau"], rel=0.05)
+    assert summary["last_val"]["worst_gain"] == pytest.approx(
+        min(v["rollout_tau"] for v in summary["last_val"]["sets"].values())
+        - summary["baseline"][teacher.name], abs=1e-9)
+    assert set(summary["merge"]) == {"0.25", "0.5", "1"}
+    merged = tmp_path / "tune" / "merged"
+    record = json.loads((merged / "metrics.json").read_text())
+    assert summary["result"] == str(merged)
+    assert record["alpha"] == max((float(a) for a in summary["merge"]),
+                                  key=lambda a: summary["merge"][f"{a:g}"]["select"])
+    # merged/ holds exactly that interpolation of the warm start and best/ (both saved in fp16)
+    want = interpolate(load_drafter(start, tune.target, dtype=torch.float32).state_dict(),
+                       load_drafter(tmp_path / "tune" / "best", tune.target, dtype=torch.float32).state_dict(),
+                       record["alpha"])
+    got = load_drafter(merged, tune.target, dtype=torch.float32).state_dict()
+    for key, value in want.items():
+        assert torch.allclose(got[key].cpu().float(), value.cpu().float(), atol=2e-3), key
+    # resuming a finished run reads the merge back instead of redoing it
+    stamp = os.stat(merged / "metrics.json").st_mtime_ns
+    assert Trainer(opts, progress=False).run()["merge"] == summary["merge"]
+    assert os.stat(merged / "metrics.json").st_mtime_ns == stamp
+
+    with pytest.raises(UserError, match="needs init"):
+        Trainer(dataclasses.replace(opts, init=""), progress=False)

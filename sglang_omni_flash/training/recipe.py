@@ -269,6 +269,8 @@ class RecipeRun:
         unknown = set(t) - known
         if unknown:
             raise UserError(f"recipe {self.recipe.path}: unknown train keys {sorted(unknown)}")
+        if "merge" in t:
+            t["merge"] = tuple(float(a) for a in t["merge"])
         return TrainOptions(
             teacher=tuple(str(self.teacher_dir(c)) for c in self.recipe.corpora_for("train")),
             validation=tuple(str(self.teacher_dir(c)) for c in self.recipe.corpora_for("validation")),
@@ -290,12 +292,12 @@ class RecipeRun:
         options = self.train_options()
         main = Trainer(options, progress=self.progress)
         summary = {"main": main.run()}
-        data = (main.train_index, main.train, main.val)
+        data = (main.train_index, main.train, main.val_sets)
         del main  # its acoustic cache; the loaded utterances (and their recomputed encoder outputs) stay
         final = self.work / "drafter"
         if final.exists():
             shutil.rmtree(final)
-        shutil.copytree(self.work / "train" / BEST, final)
+        shutil.copytree(summary["main"]["result"], final)  # best/, or merged/ when the recipe merges
         shutil.copyfile(self.work / "train" / LOG_CSV, final / "training-log.csv")
         for name, changes in self.ablations().items():
             arm = dataclasses.replace(options, out=str(self.work / "ablations" / name), **changes)

@@ -40,12 +40,14 @@ from tqdm import tqdm
 
 from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.flash.checkpoint import TargetIdentity
-from sglang_omni_flash.training import packing
+from sglang_omni_flash.training import merge, packing
 
 STATE = "state"
 BEST = "best"
 LOG_CSV = "log.csv"
 SUMMARY = "summary.json"
+MERGED = "merged"
+SELECT = ("rollout_tau", "tau", "worst_gain")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,12 @@ class TrainOptions:
     draft_vocab_top: int = 16000  # 0 = full vocabulary
     block_size: int = 8
     onpolicy: float = 0.0  # share of anchors drawn from the current drafter's rollout (0 = all uniform)
-    select: str = "rollout_tau"  # validation figure that picks best/: "rollout_tau" or "tau"
+    # validation figure that picks best/: "rollout_tau", "tau", or "worst_gain" (the smallest rollout-tau gain
+    # over the warm start across validation folders: high only if real AND synthetic speech improved)
+    select: str = "rollout_tau"
+    # after training: interpolate best/ with the warm start at these weights of the fine-tune (merge.py)
+    # and keep the one `select` prefers, alpha 1 (best/ itself) included, in merged/
+    merge: tuple[float, ...] = ()
     soft_weight: float = 0.0  # share of the loss against the target's top-k distribution (tree-aware; 0 = hard only)
     init: str = ""  # warm start: a drafter directory (same target and shape) whose weights start the run
     threads: int | None = None
@@ -79,7 +86,7 @@ class TrainOptions:
     def fixed(self) -> dict:
         """What a resumed run must agree on."""
         d = asdict(self)
-        for k in ("out", "threads", "eval_every", "checkpoint_every", "device"):
+        for k in ("out", "threads", "eval_every", "checkpoint_every", "device", "merge"):
             d.pop(k)
         return d
 
@@ -95,13 +102,19 @@ def lr_at(step: int, options: TrainOptions) -> float:
 
 class Trainer:
     def __init__(self, options: TrainOptions, progress: bool = True, data=None):
-        """data: (train index, train utterances, validation utterances) already loaded by another Trainer of
-        the same teacher folders (a recipe's ablation arms), instead of loading them again."""
+        """data: (train index, train utterances, validation utterances by folder) already loaded by another
+        Trainer of the same teacher folders (a recipe's ablation arms), instead of loading them again."""
         from transformers import WhisperForConditionalGeneration
 
         from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
         from sglang_omni_flash.models.embedded import resolve_model
 
+        if options.select not in SELECT:
+            raise UserError(f"select must be one of {SELECT}, got {options.select}")
+        if options.merge and not options.init:
+            raise UserError("merge interpolates with the warm start: it needs init")
+        if any(not 0.0 < a <= 1.0 for a in options.merge):
+            raise UserError(f"merge weights must lie in (0, 1], got {options.merge}")
         self.options = options
         self.progress = progress
         if options.threads:
@@ -114,10 +127,16 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
 
         if data is not None:
-            self.train_index, self.train, self.val = data
+            self.train_index, self.train, self.val_sets = data
         else:
             self.train_index, self.train = self._load(options.teacher, progress)
-            self.val = self._load(options.validation, progress)[1] if options.validation else []
+            self.val_sets = {}
+            for folder in options.validation:  # each folder reported on its own (real / synthetic)
+                name = Path(folder).name
+                while name in self.val_sets:
+                    name += "+"
+                self.val_sets[name] = self._load([folder], progress)[1]
+        self.val = [u for utts in self.val_sets.values() for u in utts]
         if not self.train:
             raise UserError("the teacher folders hold no usable utterance")
 
@@ -142,6 +161,10 @@ class Trainer:
         ).float().to(self.device)
         if source is not None:
             self._warm_start(source, options.init)
+        # the warm start's weights (merge.py interpolates from them) and its validation by folder (the
+        # baseline `worst_gain` counts from; measured at step 0, kept in the training state)
+        self.start_state = {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()} if source else {}
+        self.baseline: dict[str, float] = {}
         if options.freeze_acoustic_kv and options.use_audio:
             for layer in self.drafter.layers:
                 for p in (*layer.acoustic_attn.k_proj.parameters(), *layer.acoustic_attn.v_proj.parameters()):
@@ -295,34 +318,44 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, utts=None, max_anchors: int = 24) -> dict:
-        """Greedy accepted-prefix statistics over (up to max_anchors per utterance) anchors of held-out data."""
-        utts = self.val if utts is None else utts
-        if not utts:
+        """Greedy accepted-prefix statistics over (up to max_anchors per utterance) anchors of held-out data:
+        over all of it, and rollout tau / first per validation folder under "sets" (when utts is not given)."""
+        sets = {"given": utts} if utts is not None else self.val_sets
+        if not any(sets.values()):
             return {}
         self.drafter.eval()
         g = torch.Generator().manual_seed(12345)
         prefixes, losses, by_pos, n_lab, top4 = [], [], torch.zeros(self.options.block_size), 0, []
-        for start in range(0, len(utts), 4):
-            part = utts[start : start + 4]
-            anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), max_anchors, g) for u in part]
-            batch = _to(packing.pack(part, anchors, self.options.block_size, self.drafter.config.use_history), self.device)
-            loss, n, logits, labels = packing.packed_loss(self.drafter, batch, self._acoustic(part), self.weights, self.index)
-            prefix = packing.accepted_prefix(logits, labels)
-            prefixes.append(prefix.cpu())
-            top4.append((logits[:, 0].topk(4, dim=-1).indices == labels[:, :1]).any(-1).cpu())
-            losses.append(float(loss) * int(n))
-            n_lab += int(n)
-            for j in range(self.options.block_size):
-                by_pos[j] += float((prefix > j).float().sum())
+        per_set, totals = {}, [0, 0, 0, 0]  # tokens, rounds, first, utterances
+        for name, part_utts in sets.items():
+            for start in range(0, len(part_utts), 4):
+                part = part_utts[start : start + 4]
+                anchors = [packing.sample_anchors(u.prompt_len, u.tokens.numel(), max_anchors, g) for u in part]
+                batch = _to(packing.pack(part, anchors, self.options.block_size, self.drafter.config.use_history),
+                            self.device)
+                loss, n, logits, labels = packing.packed_loss(self.drafter, batch, self._acoustic(part), self.weights,
+                                                              self.index)
+                prefix = packing.accepted_prefix(logits, labels)
+                prefixes.append(prefix.cpu())
+                top4.append((logits[:, 0].topk(4, dim=-1).indices == labels[:, :1]).any(-1).cpu())
+                losses.append(float(loss) * int(n))
+                n_lab += int(n)
+                for j in range(self.options.block_size):
+                    by_pos[j] += float((prefix > j).float().sum())
+            tokens = rounds = first = 0
+            for u in part_utts:  # greedy decoding replayed on the teacher tokens
+                everywhere = self.prefix_everywhere(u)
+                visited = packing.rollout(everywhere, u.prompt_len, u.tokens.numel())
+                tokens += u.tokens.numel() - u.prompt_len
+                rounds += len(visited)
+                first += sum(int(everywhere[t - u.prompt_len] > 0) for t in visited)
+            per_set[name] = {"rollout_tau": packing.rollout_tau(tokens, rounds, len(part_utts)),
+                             "rollout_first": first / max(1, rounds)}
+            for i, v in enumerate((tokens, rounds, first, len(part_utts))):
+                totals[i] += v
         prefix = torch.cat(prefixes)
-        tokens = rounds = first = 0
-        for u in utts:  # greedy decoding replayed on the teacher tokens
-            everywhere = self.prefix_everywhere(u)
-            visited = packing.rollout(everywhere, u.prompt_len, u.tokens.numel())
-            tokens += u.tokens.numel() - u.prompt_len
-            rounds += len(visited)
-            first += sum(int(everywhere[t - u.prompt_len] > 0) for t in visited)
-        return {
+        tokens, rounds, first, n_utts = totals
+        metrics = {
             "tau": packing.expected_tau(prefix),
             "first": float((prefix > 0).float().mean()),
             # a tree's worth: how often the first label is among the drafter's four best first tokens
@@ -330,10 +363,14 @@ class Trainer:
             "loss": sum(losses) / max(1, n_lab),
             "accept_by_position": (by_pos / max(1, prefix.numel())).tolist(),
             "blocks": int(prefix.numel()),
-            "rollout_tau": packing.rollout_tau(tokens, rounds, len(utts)),
+            "rollout_tau": packing.rollout_tau(tokens, rounds, n_utts),
             "rollout_first": first / max(1, rounds),
             "rollout_rounds": rounds,
         }
+        if utts is None:
+            metrics["sets"] = per_set
+            metrics["worst_gain"] = merge.worst_gain({k: v["rollout_tau"] for k, v in per_set.items()}, self.baseline)
+        return metrics
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -344,6 +381,7 @@ class Trainer:
             {
                 "step": self.step,
                 "best_tau": self.best_tau,
+                "baseline": self.baseline,
                 "drafter": self.drafter.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "options": self.options.fixed(),
@@ -364,20 +402,49 @@ class Trainer:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.step = saved["step"]
         self.best_tau = saved["best_tau"]
+        self.baseline = saved.get("baseline", {})
         return True
 
-    def save_best(self, metrics: dict) -> None:
+    def save_best(self, metrics: dict, folder: str = BEST) -> None:
         from sglang_omni_flash.flash.checkpoint import save_drafter
 
-        tmp = self.out / (BEST + ".tmp")
+        tmp = self.out / (folder + ".tmp")
         save_drafter(self.drafter, tmp)
         (tmp / "metrics.json").write_text(json.dumps(dict(metrics, step=self.step), indent=1) + "\n")
-        final = self.out / BEST
+        final = self.out / folder
         if final.exists():
             import shutil
 
             shutil.rmtree(final)
         os.replace(tmp, final)
+
+    def merge_with_start(self) -> dict:
+        """Interpolate best/ with the warm start at each `merge` weight, validate each, and keep the one
+        `select` prefers (best/ itself, weight 1, included) in merged/. Done once: a finished merge is
+        read back, since resuming a finished run must not redo it."""
+        from sglang_omni_flash.flash.checkpoint import load_drafter
+
+        done = self.out / MERGED / "metrics.json"
+        weights = sorted(set(self.options.merge) | {1.0})
+        if done.is_file():
+            record = json.loads(done.read_text())
+            if record.get("weights") == weights:
+                return record["merge"]
+        tuned = load_drafter(self.out / BEST, self.target, device=self.device, dtype=torch.float32).state_dict()
+        tried, best = {}, None
+        for alpha in tqdm(weights, desc="merge", unit="weight", file=sys.stderr, disable=not self.progress):
+            self.drafter.load_state_dict(merge.interpolate(self.start_state, tuned, alpha))
+            metrics = self.validate()
+            tried[f"{alpha:g}"] = {"select": metrics[self.options.select], "rollout_tau": metrics["rollout_tau"],
+                                   "sets": {k: v["rollout_tau"] for k, v in metrics["sets"].items()}}
+            if best is None or metrics[self.options.select] > best[1][self.options.select]:
+                best = (alpha, metrics)
+        alpha, metrics = best
+        self.drafter.load_state_dict(merge.interpolate(self.start_state, tuned, alpha))
+        record = {"alpha": alpha, "select": self.options.select, "weights": weights, "merge": tried,
+                  "baseline": self.baseline}
+        self.save_best(dict(metrics, **record), folder=MERGED)
+        return tried
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> dict:
@@ -391,6 +458,13 @@ class Trainer:
         t0 = time.perf_counter()
         running = None
         last_val: dict = {}
+        if self.val and self.start_state and self.step == 0 and not self.baseline:
+            # the warm start's own figures per folder: what `worst_gain` and the merge count from
+            start_val = self.validate()
+            self.baseline = {k: v["rollout_tau"] for k, v in start_val["sets"].items()}
+            log.write({"step": 0, "val_tau": start_val["tau"], "val_first": start_val["first"],
+                       "val_loss": start_val["loss"], "val_rollout_tau": start_val["rollout_tau"],
+                       "val_first_top4": start_val["first_top4"], "val_rollout_by_set": _by_set(start_val)})
         with bar:
             while self.step < end:
                 loss = self.train_step()
@@ -400,7 +474,8 @@ class Trainer:
                 if self.val and (self.step % opts.eval_every == 0 or at_end):
                     last_val = self.validate()
                     row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"],
-                            "val_rollout_tau": last_val["rollout_tau"], "val_first_top4": last_val["first_top4"]}
+                            "val_rollout_tau": last_val["rollout_tau"], "val_first_top4": last_val["first_top4"],
+                            "val_rollout_by_set": _by_set(last_val)}
                     if last_val[opts.select] > self.best_tau:
                         self.best_tau = last_val[opts.select]
                         self.save_best(last_val)
@@ -413,12 +488,20 @@ class Trainer:
                                 rollout_tau=f"{last_val.get('rollout_tau', math.nan):.2f}")
                 bar.update(1)
         summary = {"step": self.step, "select": opts.select, "best_val": self.best_tau, "last_val": last_val,
+                   "baseline": self.baseline, "result": str(self.out / BEST),
                    "train_utterances": len(self.train), "val_utterances": len(self.val),
                    "trainable_parameters": sum(p.numel() for p in self.drafter.parameters() if p.requires_grad),
                    "draft_vocab_size": self.drafter.config.draft_vocab_size}
+        if opts.merge and self.step == opts.steps and self.val:
+            summary["merge"] = self.merge_with_start()
+            summary["result"] = str(self.out / MERGED)
         (self.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
         plot_curve(self.out / LOG_CSV, self.out / "learning_curve.png")
         return summary
+
+
+def _by_set(metrics: dict) -> str:
+    return " ".join(f"{name}:{v['rollout_tau']:.3f}" for name, v in metrics.get("sets", {}).items())
 
 
 def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
@@ -432,7 +515,8 @@ def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
 
 
 class _CsvLog:
-    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau", "val_first_top4")
+    FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau", "val_first_top4",
+              "val_rollout_by_set")
 
     def __init__(self, path: Path, fresh: bool):
         self.path = path
@@ -455,8 +539,9 @@ def plot_curve(csv_path: Path, png_path: Path) -> None:
     steps, losses, vsteps, taus, rollout = [], [], [], [], []
     with open(csv_path, newline="") as f:
         for row in csv.DictReader(f):
-            steps.append(int(row["step"]))
-            losses.append(float(row["loss"]))
+            if row["loss"]:  # the step-0 row of a warm start holds validation only
+                steps.append(int(row["step"]))
+                losses.append(float(row["loss"]))
             if row.get("val_tau"):
                 vsteps.append(int(row["step"]))
                 taus.append(float(row["val_tau"]))

@@ -11,7 +11,7 @@ from sglang_omni_flash.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from sglang_omni_flash.training.train import TrainOptions
+    from sglang_omni_flash.training.train import SELECT, TrainOptions
 
     d = TrainOptions(teacher=(), out="")
     tr = subparsers.add_parser(
@@ -46,9 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--onpolicy", type=float, default=d.onpolicy, metavar="SHARE",
                     help="share of anchors drawn from where the current drafter's greedy decoding starts its "
                     "rounds (right after a rejection); the rest evenly (default 0: all evenly)")
-    tr.add_argument("--select", choices=("rollout_tau", "tau"), default=d.select,
+    tr.add_argument("--select", choices=SELECT, default=d.select,
                     help="validation figure that picks the best checkpoint: rollout_tau (greedy decoding "
-                    "replayed on the held-out teacher tokens, default) or tau (evenly spaced anchors)")
+                    "replayed on the held-out teacher tokens, default), tau (evenly spaced anchors) or "
+                    "worst_gain (the smallest rollout-tau gain over the --init drafter across --validation "
+                    "folders)")
+    tr.add_argument("--merge", type=float, nargs="+", default=(), metavar="WEIGHT",
+                    help="after training, interpolate the best checkpoint with the --init drafter at these "
+                    "weights of the fine-tune and keep the one --select prefers in OUT/merged")
     tr.add_argument("--soft-weight", type=float, default=d.soft_weight, metavar="LAMBDA",
                     help="share of the loss that is cross-entropy against the target's own top-k distribution "
                     "(distillation; values good second choices for draft trees; default 0: hard labels only)")
@@ -106,7 +111,7 @@ def _train(args) -> int:
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
         freeze_acoustic_kv=not args.train_acoustic_kv, draft_vocab_top=args.draft_vocab_top,
-        onpolicy=args.onpolicy, select=args.select, soft_weight=args.soft_weight,
+        onpolicy=args.onpolicy, select=args.select, merge=tuple(args.merge), soft_weight=args.soft_weight,
         init=str(Path(args.init).resolve()) if args.init else "", threads=args.threads, device=args.device,
     )
     summary = Trainer(options, progress=not args.quiet).run()
