@@ -342,13 +342,7 @@ class Trainer:
                 n_lab += int(n)
                 for j in range(self.options.block_size):
                     by_pos[j] += float((prefix > j).float().sum())
-            tokens = rounds = first = 0
-            for u in part_utts:  # greedy decoding replayed on the teacher tokens
-                everywhere = self.prefix_everywhere(u)
-                visited = packing.rollout(everywhere, u.prompt_len, u.tokens.numel())
-                tokens += u.tokens.numel() - u.prompt_len
-                rounds += len(visited)
-                first += sum(int(everywhere[t - u.prompt_len] > 0) for t in visited)
+            tokens, rounds, first = self._replay(part_utts)
             per_set[name] = {"rollout_tau": packing.rollout_tau(tokens, rounds, len(part_utts)),
                              "rollout_first": first / max(1, rounds)}
             for i, v in enumerate((tokens, rounds, first, len(part_utts))):
@@ -371,6 +365,18 @@ class Trainer:
             metrics["sets"] = per_set
             metrics["worst_gain"] = merge.worst_gain({k: v["rollout_tau"] for k, v in per_set.items()}, self.baseline)
         return metrics
+
+    def _replay(self, utts) -> tuple[int, int, int]:
+        """Greedy Whisper-Flash decoding replayed on the teacher tokens: tokens, rounds, rounds whose first
+        candidate was accepted."""
+        tokens = rounds = first = 0
+        for u in utts:
+            everywhere = self.prefix_everywhere(u)
+            visited = packing.rollout(everywhere, u.prompt_len, u.tokens.numel())
+            tokens += u.tokens.numel() - u.prompt_len
+            rounds += len(visited)
+            first += sum(int(everywhere[t - u.prompt_len] > 0) for t in visited)
+        return tokens, rounds, first
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_state(self) -> None:
