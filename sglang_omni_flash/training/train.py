@@ -363,7 +363,7 @@ class Trainer:
         }
         if utts is None:
             metrics["sets"] = per_set
-            metrics["worst_gain"] = merge.worst_gain({k: v["rollout_tau"] for k, v in per_set.items()}, self.baseline)
+            metrics["worst_gain"] = merge.worst_gain(_set_taus(metrics), self.baseline)
         return metrics
 
     def _replay(self, utts) -> tuple[int, int, int]:
@@ -439,14 +439,15 @@ class Trainer:
         tuned = load_drafter(self.out / BEST, self.target, device=self.device, dtype=torch.float32).state_dict()
         tried, best = {}, None
         for alpha in tqdm(weights, desc="merge", unit="weight", file=sys.stderr, disable=not self.progress):
-            self.drafter.load_state_dict(merge.interpolate(self.start_state, tuned, alpha))
+            state = merge.interpolate(self.start_state, tuned, alpha)
+            self.drafter.load_state_dict(state)
             metrics = self.validate()
             tried[f"{alpha:g}"] = {"select": metrics[self.options.select], "rollout_tau": metrics["rollout_tau"],
-                                   "sets": {k: v["rollout_tau"] for k, v in metrics["sets"].items()}}
+                                   "sets": _set_taus(metrics)}
             if best is None or metrics[self.options.select] > best[1][self.options.select]:
-                best = (alpha, metrics)
-        alpha, metrics = best
-        self.drafter.load_state_dict(merge.interpolate(self.start_state, tuned, alpha))
+                best = (alpha, metrics, state)
+        alpha, metrics, state = best
+        self.drafter.load_state_dict(state)
         record = {"alpha": alpha, "select": self.options.select, "weights": weights, "merge": tried,
                   "baseline": self.baseline}
         self.save_best(dict(metrics, **record), folder=MERGED)
@@ -467,10 +468,8 @@ class Trainer:
         if self.val and self.start_state and self.step == 0 and not self.baseline:
             # the warm start's own figures per folder: what `worst_gain` and the merge count from
             start_val = self.validate()
-            self.baseline = {k: v["rollout_tau"] for k, v in start_val["sets"].items()}
-            log.write({"step": 0, "val_tau": start_val["tau"], "val_first": start_val["first"],
-                       "val_loss": start_val["loss"], "val_rollout_tau": start_val["rollout_tau"],
-                       "val_first_top4": start_val["first_top4"], "val_rollout_by_set": _by_set(start_val)})
+            self.baseline = _set_taus(start_val)
+            log.write({"step": 0} | _val_row(start_val))
         with bar:
             while self.step < end:
                 loss = self.train_step()
@@ -479,9 +478,7 @@ class Trainer:
                 at_end = self.step == opts.steps
                 if self.val and (self.step % opts.eval_every == 0 or at_end):
                     last_val = self.validate()
-                    row |= {"val_tau": last_val["tau"], "val_first": last_val["first"], "val_loss": last_val["loss"],
-                            "val_rollout_tau": last_val["rollout_tau"], "val_first_top4": last_val["first_top4"],
-                            "val_rollout_by_set": _by_set(last_val)}
+                    row |= _val_row(last_val)
                     if last_val[opts.select] > self.best_tau:
                         self.best_tau = last_val[opts.select]
                         self.save_best(last_val)
@@ -506,8 +503,16 @@ class Trainer:
         return summary
 
 
-def _by_set(metrics: dict) -> str:
-    return " ".join(f"{name}:{v['rollout_tau']:.3f}" for name, v in metrics.get("sets", {}).items())
+def _set_taus(metrics: dict) -> dict[str, float]:
+    """Rollout tau by validation folder, from validate()'s "sets"."""
+    return {name: v["rollout_tau"] for name, v in metrics.get("sets", {}).items()}
+
+
+def _val_row(metrics: dict) -> dict:
+    """The log.csv columns of one validation."""
+    return {"val_tau": metrics["tau"], "val_first": metrics["first"], "val_loss": metrics["loss"],
+            "val_rollout_tau": metrics["rollout_tau"], "val_first_top4": metrics["first_top4"],
+            "val_rollout_by_set": " ".join(f"{name}:{tau:.3f}" for name, tau in _set_taus(metrics).items())}
 
 
 def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:
