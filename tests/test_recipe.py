@@ -28,6 +28,11 @@ corpora:
     select: {{pattern: '-(\\d+)$', from: 0, to: 3}}
     pack: 20
     augment: {{copies: 1, seed: 3}}
+  train-clips-timestamps:     # the first packed clip and its augmented copy again, decoded with timestamps
+    use: train
+    clips_from: train-clips
+    select: {{pattern: 'packed-(\\d+)', from: 0, to: 0}}
+    timestamps: true
   real-lines:
     use: [validation, evaluate]
     manifest: {test_set_paths.librivox}
@@ -36,7 +41,7 @@ extract: {{shard_size: 2, batch_size: 2}}
 train: {json.dumps(schedule)}
 evaluate:
   dtype: float32
-  modes: [chain, tree]
+  modes: [chain, tree, timestamps]
 """)
     return path
 
@@ -51,6 +56,10 @@ def test_recipe_runs_end_to_end_and_resumes(test_set_paths, tiny_en_model_dir, t
     train_corpus = first["data"]["train-clips"]
     assert train_corpus["clips"] == 2 * len(list((work / "corpora" / "train-clips" / "packed" / "wav").glob("*.wav")))
     assert first["extract"]["train-clips"]["kept"] >= 2 and first["extract"]["real-lines"]["kept"] == 3
+    assert first["data"]["train-clips-timestamps"]["clips"] == 2 == first["extract"]["train-clips-timestamps"]["kept"]
+    stamped = json.loads((work / "teacher" / "train-clips-timestamps" / "teacher.json").read_text())
+    assert stamped["timestamps"] is True and "timestamps" not in json.loads(
+        (work / "teacher" / "train-clips" / "teacher.json").read_text())
     shards = {p: p.stat().st_mtime_ns for p in (work / "teacher").rglob("shard-*.safetensors")}
     assert shards
 
@@ -61,10 +70,11 @@ def test_recipe_runs_end_to_end_and_resumes(test_set_paths, tiny_en_model_dir, t
     assert done["train"]["main"]["step"] == done["train"]["hard-labels"]["step"] == 4
     assert (work / "ablations" / "hard-labels" / "best" / "model.safetensors").read_bytes() != \
         (drafter / "model.safetensors").read_bytes()  # the arm changed the loss, so other weights
-    assert set(done["evaluate"]) == {f"{d} ({m})" for d in ("new", "hard-labels") for m in ("chain", "tree")}
+    assert set(done["evaluate"]) == {f"{d} ({m})" for d in ("new", "hard-labels") for m in ("chain", "tree", "timestamps")}
     new = done["evaluate"]["new (chain)"]["real-lines"]
     assert 1.0 <= new["tau"] <= 9.0 and 0.0 <= new["first"] <= 1.0
     assert "| new (tree) | real-lines | 3 |" in (work / "eval.md").read_text()
+    assert 1.0 <= done["evaluate"]["new (timestamps)"]["real-lines"]["tau"] <= 9.0
     assert set(done["timings"]) == {"data", "extract", "train", "evaluate"}
     assert done["disk_bytes"]["teacher"] > 0
 
@@ -83,6 +93,14 @@ def test_recipe_errors_name_the_problem(test_set_paths, tiny_en_model_dir, tmp_p
         load_recipe(tmp_path / "nouse.yaml")
     with pytest.raises(UserError, match="does not exist"):
         load_recipe(tmp_path / "missing.yaml")
+    bad = {"clips_from: nowhere": "clips_from names no other corpus",
+           "clips_from: a, pack: 20": "clips_from takes the other corpus's clips as they are",
+           "manifest: x.jsonl, timestamps: true": "timestamps shape the teacher's decodes"}
+    for spec, message in bad.items():
+        use = "evaluate" if "timestamps" in spec else "train"
+        (tmp_path / "b.yaml").write_text(f"corpora:\n  a: {{use: train, manifest: x.jsonl}}\n  b: {{use: {use}, {spec}}}\n")
+        with pytest.raises(UserError, match=message):
+            load_recipe(tmp_path / "b.yaml")
     cli = subprocess.run([sys.executable, "-m", "sglang_omni_flash.cli", "train", "--recipe", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True)
     assert cli.returncode != 0 and "does not exist" in cli.stderr and "Traceback" not in cli.stderr
@@ -101,7 +119,11 @@ def test_shipped_recipes_load_and_name_their_warm_start_commit():
         train = {k: v for k, v in recipe.train.items() if k != "init"}
         assert train["select"] == "worst_gain" and train["merge"] == [0.25, 0.5, 0.75]
         options = RecipeRun(dataclasses.replace(recipe, train=train), progress=False).train_options()
-        assert options.merge == (0.25, 0.5, 0.75) and len(options.validation) == 2
+        assert options.merge == (0.25, 0.5, 0.75) and len(options.validation) == 3
+        # srt / vtt decodes: part of the training clips and a validation set again, with timestamps
+        stamped = [c for c in recipe.corpora if c.timestamps]
+        assert {c.clips_from for c in stamped} == {"synth-train", "arctic-train", "synth-val"}
+        assert "timestamps" in recipe.evaluate["modes"]
     for name in ("drafter-large-v3-gpu.yaml", "drafter-large-v3-gpu-stage2.yaml"):  # paper scale: the same command
         recipe = load_recipe(configs / name)
         run = RecipeRun(recipe, progress=False)

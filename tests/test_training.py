@@ -57,6 +57,54 @@ def test_extraction_reproduces_engine_greedy(extractor, teacher, clips):
         assert float(leads.float().mean()) >= 0.9, leads
 
 
+def test_timestamped_extraction_reproduces_the_timestamped_greedy_and_shares_encoders(extractor, teacher, clips,
+                                                                                       tmp_path):
+    """`timestamps`: the teacher decodes as an srt request does; a folder of the same clips trains beside
+    the plain one on one encoder output per clip."""
+    from sglang_omni_flash.errors import UserError
+
+    stamped = TeacherExtractor(dataclasses.replace(extractor.options, timestamps=True))
+    out = tmp_path / "stamped"
+    index = stamped.extract(clips[:4], out, progress=False)
+    assert index["timestamps"] is True and "timestamps" not in read_index(teacher)
+    engine = stamped.engine
+    begin = engine.special.timestamp_begin
+    plain = engine.decode(engine.log_mel([c.load() for c in clips[:4]]), speculative=False)
+    by_id = {c.id: r for c, r in zip(clips, plain)}
+    _, utts = load_teacher(out)
+    assert len(utts) >= 3
+    for utt in utts:
+        assert utt.tokens[utt.prompt_len :].tolist() == by_id[utt.id].tokens  # token for token
+        assert engine.special.no_timestamps not in utt.tokens[: utt.prompt_len].tolist()
+        generated = utt.tokens[utt.prompt_len :]
+        assert int(generated[0]) >= begin and int((generated >= begin).sum()) >= 2  # segments open and close
+    with pytest.raises(UserError, match="timestamps"):
+        stamped.extract(clips, teacher, progress=False)  # a plain extraction is not resumed with timestamps
+
+    options = _options(teacher, tmp_path / "run", model=extractor.options.model)
+    trainer = Trainer(dataclasses.replace(options, teacher=(str(teacher), str(out))), progress=False)
+    by_audio = {}
+    for utt in trainer.train:
+        by_audio.setdefault(utt.audio, []).append(utt)
+    twins = [pair for pair in by_audio.values() if len(pair) == 2]
+    assert len(twins) >= 3
+    for a, b in twins:
+        assert a.encoder is b.encoder and a.tokens.tolist() != b.tokens.tolist()
+    trainer._acoustic([u for pair in twins for u in pair])
+    assert len(trainer._acoustic_cache) == len(twins)
+
+
+def test_reference_lookup_skips_emitted_timestamps():
+    from sglang_omni_flash.training.extract import ReferenceLookupProposer
+
+    ref = [10, 11, 12, 13, 14, 15]
+    lookup = ReferenceLookupProposer([ref], block_size=3, pad=0, timestamp_begin=100)
+    assert lookup.guess(0, [100, 10, 11, 150, 151]) == [12, 13, 14]  # resynchronised on the text 10 11
+    assert lookup.guess(0, [100, 150, 151, 13]) == [14, 15, 0]
+    plain = ReferenceLookupProposer([ref], block_size=3, pad=0)
+    assert plain.guess(0, [100, 10, 11, 150, 151]) == [15, 0, 0]  # without: a timestamp is a position
+
+
 def test_training_recomputes_the_encoder_output_extraction_did_not_store(extractor, teacher, clips, tmp_path):
     stored_extractor = TeacherExtractor(dataclasses.replace(extractor.options, store_encoder=True))
     stored_extractor.extract(clips[:3], tmp_path / "stored", progress=False)

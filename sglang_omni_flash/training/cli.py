@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--store-encoder", action="store_true",
                     help="also store each clip's encoder output (1500 x d fp16; needed only for clips without an "
                     "audio file, such as a datasets folder; otherwise training recomputes it)")
+    ex.add_argument("--timestamps", action="store_true",
+                    help="decode with Whisper's timestamp tokens (the continuations of srt / vtt / verbose_json requests)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=_extract)
 
@@ -65,7 +67,7 @@ def _extract(args) -> int:
     extractor = TeacherExtractor(
         ExtractOptions(model=args.model, shard_size=args.shard_size, batch_size=args.batch_size,
                        language=args.language, threads=args.threads, dtype=args.dtype,
-                       store_encoder=args.store_encoder)
+                       store_encoder=args.store_encoder, timestamps=args.timestamps)
     )
     from sglang_omni_flash.engine.cli import engine_line
 

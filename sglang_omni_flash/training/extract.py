@@ -59,6 +59,9 @@ class ExtractOptions:
     dtype: str = "auto"  # the engine's rule (hardware.choose_dtype): bfloat16 on an AMX CPU, else float32
     store_encoder: bool = False  # False: training recomputes E(x) from the audio file (1.5 MB per clip saved, base)
     teacher_top: int = 8  # k of the stored top-k next-token log-probabilities (0: none)
+    # decode with Whisper's timestamp tokens (no <|notimestamps|>, timestamp rules on): the continuations a
+    # drafter must predict for srt / vtt / verbose_json requests
+    timestamps: bool = False
 
 
 # ------------------------------------------------------------------------------ proposer
@@ -69,12 +72,19 @@ class ReferenceLookupProposer(OracleProposer):
 
     Exactness never depends on it (the target verifies every candidate); it only decides how many
     target calls the greedy run takes. The continuation is looked up after the latest occurrence of
-    the last two emitted tokens in the reference (then the last one), else by position. Everything
+    the last two emitted text tokens in the reference (then the last one), else by position; emitted
+    timestamp tokens (ids >= `timestamp_begin`) are skipped, as the reference has none. Everything
     but the lookup is the oracle's (`continuations` holds the references by request id).
     """
 
+    def __init__(self, continuations, block_size: int = 8, pad: int = 0, timestamp_begin: int | None = None):
+        super().__init__(continuations, block_size, pad)
+        self.timestamp_begin = timestamp_begin
+
     def guess(self, rid: int, generated: list[int]) -> list[int]:
         ref = self.continuations[rid]
+        if self.timestamp_begin is not None:
+            generated = [t for t in generated if t < self.timestamp_begin]
         start = None
         for n in (2, 1):
             if len(generated) >= n:
@@ -129,7 +139,7 @@ class TeacherExtractor:
             EngineOptions(
                 model=options.model, speculative=False, batch_size=options.batch_size,
                 language=options.language, device="cpu" if not torch.cuda.is_available() else "auto",
-                threads=options.threads, dtype=options.dtype,
+                threads=options.threads, dtype=options.dtype, timestamps=options.timestamps,
             )
         )
         model = self.engine.model
@@ -158,7 +168,7 @@ class TeacherExtractor:
             "teacher_top": self.options.teacher_top,
             "n_clips": len(clips),
             "clips_digest": clip_list_digest(clips),
-        }
+        } | ({"timestamps": True} if self.options.timestamps else {})  # absent: extractions made before the key
 
     # -- one batch --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -170,7 +180,8 @@ class TeacherExtractor:
         tok = eng.tokenizer
         eos = eng.special.eos
         refs = [tok.encode(" " + c.text.strip(), add_special_tokens=False) + [eos] for c in clips]
-        proposer = ReferenceLookupProposer(refs, block_size=self.options.lookup_block, pad=eos)
+        proposer = ReferenceLookupProposer(refs, block_size=self.options.lookup_block, pad=eos,
+                                           timestamp_begin=eng.special.timestamp_begin if self.options.timestamps else None)
         results = eng.decode(encoder_out=encoder_out, speculative=True, proposer=proposer)
 
         sequences = [r.prompt + r.tokens for r in results]
@@ -356,9 +367,15 @@ def options_dict(options: ExtractOptions) -> dict:
 
 @torch.inference_mode()
 def recompute_encoders(utterances: list[TeacherUtterance], index: dict, batch_size: int = 8,
-                       progress: bool = False) -> None:
+                       progress: bool = False, known: dict | None = None) -> None:
     """Fill `encoder` of every utterance extracted without it: log-mel + the target's encoder on its audio
-    file, with the engine and dtype the extraction used (stored fp16, as a stored one would be)."""
+    file, with the engine and dtype the extraction used (stored fp16, as a stored one would be).
+    `known` (audio path, dtype) -> encoder output is read and filled, so clips that two teacher folders
+    share (the same audio decoded with and without timestamps) are encoded and held once."""
+    known = {} if known is None else known
+    for u in utterances:
+        if u.encoder is None and (u.audio, index["dtype"]) in known:
+            u.encoder = known[(u.audio, index["dtype"])]
     todo = [u for u in utterances if u.encoder is None]
     if not todo:
         return
@@ -378,5 +395,5 @@ def recompute_encoders(utterances: list[TeacherUtterance], index: dict, batch_si
             part = todo[start : start + batch_size]
             encoded = engine.encode(engine.log_mel([load_audio(u.audio) for u in part]))
             for u, e in zip(part, encoded):
-                u.encoder = e.to(torch.float16).cpu().clone()
+                u.encoder = known[(u.audio, index["dtype"])] = e.to(torch.float16).cpu().clone()
             bar.update(len(part))

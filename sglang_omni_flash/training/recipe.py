@@ -12,7 +12,11 @@ warm start, the training schedule and the evaluation sets. Stages, each resumabl
            under `ablations` (the same run with some options changed, e.g. the loss) on the same data
   evaluate real decoding, per evaluation set, for the new drafter, each ablation arm and each drafter
            named under `compare`: `chain` = eval-drafter's whole chains (the drafter alone), `tree` = the
-           engine's default draft tree; tau, first-candidate acceptance, alpha, target WER in one table
+           engine's default draft tree, `timestamps` = whole chains with timestamp tokens; tau,
+           first-candidate acceptance, alpha, target WER in one table
+
+A corpus may take another corpus's clips (`clips_from`, optionally `select`ed) and have its teacher
+decode them with timestamp tokens (`timestamps: true`), so a drafter also learns srt / vtt decodes.
 
 Everything lands under `work` (default runs/<recipe file stem>): corpora/, teacher/, train/, drafter/
 (the result, with its training log), ablations/, eval.json and eval.md, and timings.json (wall seconds per stage,
@@ -36,6 +40,14 @@ from pathlib import Path
 from sglang_omni_flash.errors import UserError
 
 STAGES = ("data", "extract", "train", "evaluate")
+# evaluation modes -> engine options. chain: whole chains, every step a round, as eval-drafter (the drafter,
+# not the engine's cost controls); tree: the engine's default draft tree, still without the pacer;
+# timestamps: whole chains under the timestamp rules (srt / vtt / verbose_json requests; trees stay text-only)
+EVAL_MODES = {
+    "chain": {"min_draft_prob": 0.0, "tree_nodes": 0},
+    "tree": {},
+    "timestamps": {"min_draft_prob": 0.0, "tree_nodes": 0, "timestamps": True},
+}
 USES = ("train", "validation", "evaluate")
 
 
@@ -51,6 +63,8 @@ class Corpus:
     dataset: str = ""  # ... or a local `datasets` folder (likewise; its encoder outputs are stored)
     pack: float = 0.0  # join clips of one voice into clips up to this many seconds (0: as they are)
     augment: dict = field(default_factory=dict)  # copies, seed: augmented copies added beside the originals
+    clips_from: str = ""  # ... or the final clips of another corpus of the recipe (optionally `select`ed)
+    timestamps: bool = False  # the teacher decodes with timestamp tokens (train / validation corpora)
 
 
 @dataclass(frozen=True)
@@ -98,12 +112,15 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
         use = (use,) if isinstance(use, str) else tuple(use or ())
         if not use or set(use) - set(USES):
             raise UserError(f"recipe {path}: corpus {name} needs `use:` from {USES}, got {use}")
-        sources = [k for k in ("manifest", "synth", "librivox", "librispeech", "dataset") if spec.get(k)]
+        sources = [k for k in ("manifest", "synth", "librivox", "librispeech", "dataset", "clips_from") if spec.get(k)]
         if len(sources) != 1:
             raise UserError(f"recipe {path}: corpus {name} needs exactly one of manifest / synth / librivox / "
-                            "librispeech / dataset")
+                            "librispeech / dataset / clips_from")
         if sources[0] in ("librispeech", "dataset") and (spec.get("pack") or spec.get("augment") or spec.get("select")):
             raise UserError(f"recipe {path}: corpus {name}: pack, augment and select work on manifests only")
+        if sources[0] == "clips_from" and (spec.get("pack") or spec.get("augment")):
+            raise UserError(f"recipe {path}: corpus {name}: clips_from takes the other corpus's clips as they are "
+                            "(select only)")
         for key in ("manifest", "librispeech", "dataset"):
             if spec.get(key):
                 spec[key] = _expand(spec[key], base)
@@ -111,6 +128,15 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
             corpora.append(Corpus(name=name, use=use, **spec))
         except TypeError as exc:
             raise UserError(f"recipe {path}: corpus {name}: {exc}") from exc
+    names = {c.name for c in corpora}
+    for c in corpora:
+        if c.clips_from and (c.clips_from not in names or c.clips_from == c.name):
+            raise UserError(f"recipe {path}: corpus {c.name}: clips_from names no other corpus ({c.clips_from})")
+        if c.clips_from and next(o for o in corpora if o.name == c.clips_from).clips_from:
+            raise UserError(f"recipe {path}: corpus {c.name}: clips_from must name a corpus with clips of its own")
+        if c.timestamps and not {"train", "validation"} & set(c.use):
+            raise UserError(f"recipe {path}: corpus {c.name}: timestamps shape the teacher's decodes; evaluation "
+                            "decodes with timestamps under `evaluate: modes: [timestamps]`")
     if not any("train" in c.use for c in corpora):
         raise UserError(f"recipe {path}: no corpus has use: train")
     train = dict(raw.get("train") or {})
@@ -160,6 +186,11 @@ class RecipeRun:
         from sglang_omni_flash.corpus.pack import pack_corpus
 
         root = self.work / "corpora" / corpus.name
+        if corpus.clips_from:
+            manifest = self.manifest_of(next(c for c in self.recipe.corpora if c.name == corpus.clips_from))
+            if corpus.select:
+                manifest = write_manifest(root / "selected.jsonl", select_clips(read_manifests([manifest]), corpus.select))
+            return manifest
         if corpus.synth:
             from sglang_omni_flash.corpus.synth import generate_corpus
             from sglang_omni_flash.paths import audio_dir
@@ -219,15 +250,18 @@ class RecipeRun:
         unknown = set(e) - {"shard_size", "batch_size", "dtype", "teacher_top", "language", "lookup_block"}
         if unknown:
             raise UserError(f"recipe {self.recipe.path}: unknown extract keys {sorted(unknown)}")
-        extractor = TeacherExtractor(ExtractOptions(model=self.recipe.model, threads=self.threads, **(
-            {"shard_size": 32} | e)))
-        print(f"[recipe] extract: {engine_line(extractor.engine)}", file=sys.stderr)
+        options = ExtractOptions(model=self.recipe.model, threads=self.threads, **({"shard_size": 32} | e))
+        extractors = {}  # by `timestamps`: the engine's prompt and logit rules are fixed per engine
         out = {}
-        plain = extractor.options
         for corpus in self.recipe.corpora_for("train") + self.recipe.corpora_for("validation"):
+            if corpus.timestamps not in extractors:
+                extractors[corpus.timestamps] = TeacherExtractor(dataclasses.replace(options, timestamps=corpus.timestamps))
+                print(f"[recipe] extract: {engine_line(extractors[corpus.timestamps].engine)}"
+                      f"{', with timestamps' if corpus.timestamps else ''}", file=sys.stderr)
+            extractor = extractors[corpus.timestamps]
             clips = self.clips_of(corpus)
             # clips without an audio file to re-read (a datasets folder) keep their encoder output
-            extractor.options = dataclasses.replace(plain, store_encoder=any(not c.path for c in clips))
+            extractor.options = dataclasses.replace(extractor.options, store_encoder=any(not c.path for c in clips))
             index = extractor.extract(clips, self.teacher_dir(corpus), progress=self.progress)
             out[corpus.name] = index["totals"]
         return out
@@ -317,8 +351,8 @@ class RecipeRun:
         for name, where in (self.recipe.evaluate.get("compare") or {}).items():
             drafters[name] = self.drafter_dir(where)
         modes = tuple(self.recipe.evaluate.get("modes", ("chain",)))
-        if set(modes) - {"chain", "tree"}:
-            raise UserError(f"recipe {self.recipe.path}: evaluate modes are chain and tree, got {modes}")
+        if set(modes) - set(EVAL_MODES):
+            raise UserError(f"recipe {self.recipe.path}: evaluate modes are {', '.join(EVAL_MODES)}, got {modes}")
         results_path = self.work / "eval.json"
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
         sets = self.recipe.corpora_for("evaluate")
@@ -328,12 +362,9 @@ class RecipeRun:
                 todo = [c for c in sets if c.name not in results.get(key, {})]
                 if not todo:
                     continue
-                # chain: whole chains, every step a round, as eval-drafter (the drafter, not the engine's
-                # cost controls); tree: the engine's default draft tree, still without the pacer
-                costs = dict(min_draft_prob=0.0, tree_nodes=0) if mode == "chain" else {}
                 engine = WhisperFlashEngine(EngineOptions(
                     model=self.recipe.model, drafter=drafter, speculative=True, threads=self.threads,
-                    dtype=str(self.recipe.evaluate.get("dtype", "auto")), pace=False, **costs))
+                    dtype=str(self.recipe.evaluate.get("dtype", "auto")), pace=False, **EVAL_MODES[mode]))
                 for corpus in todo:
                     clips = self.clips_of(corpus)
                     print(f"[recipe] evaluate {key} on {corpus.name} ({len(clips)} clips)", file=sys.stderr)

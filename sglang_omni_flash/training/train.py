@@ -177,9 +177,10 @@ class Trainer:
         )
         self.step = 0
         self.best_tau = -math.inf
-        # Keyed by the loaded utterance object, not its id: ids are unique within one extraction
-        # only (every packed corpus has a "packed-00000"), and several teacher folders train together.
-        # Each entry also holds its utterance, so the id() it is filed under cannot be reused.
+        # Keyed by the utterance's encoder-output object, not its id: ids are unique within one extraction
+        # only (every packed corpus has a "packed-00000"), several teacher folders train together, and
+        # folders of the same clips (with and without timestamps) share one encoder output (`_load`).
+        # Each entry also holds that tensor, so the id() it is filed under cannot be reused.
         self._acoustic_cache: dict[int, tuple] = {}
 
     # -- data ------------------------------------------------------------------------------
@@ -187,10 +188,10 @@ class Trainer:
     def _load(folders, progress: bool = False):
         from sglang_omni_flash.training.extract import load_teacher, recompute_encoders
 
-        index, utts = None, []
+        index, utts, known = None, [], {}
         for folder in folders:
             idx, part = load_teacher(folder)
-            recompute_encoders(part, idx, progress=progress)
+            recompute_encoders(part, idx, progress=progress, known=known)
             if index is not None and TargetIdentity.of_record(idx).differences(TargetIdentity.of_record(index)):
                 raise UserError(f"{folder} was extracted from another target than {folders[0]}")
             index = index or idx
@@ -248,11 +249,11 @@ class Trainer:
             return d.acoustic_kv(enc)
         per_utt = []
         for u in utts:
-            entry = self._acoustic_cache.get(id(u))
+            entry = self._acoustic_cache.get(id(u.encoder))
             if entry is None:
                 with torch.no_grad():
                     kv = [(k.half(), v.half()) for k, v in d.acoustic_kv(u.encoder[None].to(self.device, torch.float32))]
-                entry = self._acoustic_cache[id(u)] = (u, kv)
+                entry = self._acoustic_cache[id(u.encoder)] = (u.encoder, kv)
             kv = entry[1]
             per_utt.append(kv)
         return [

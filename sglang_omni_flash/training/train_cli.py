@@ -77,6 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from sglang_omni_flash.engine.cli import add_dtype_arg
 
     add_dtype_arg(ev)
+    ev.add_argument("--timestamps", action="store_true",
+                    help="decode with timestamp tokens, as srt / vtt / verbose_json requests do")
     ev.add_argument("--json", metavar="OUT", help="write the full result (per clip too) here")
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(func=_eval)
@@ -131,7 +133,8 @@ def _eval(args) -> int:
     clips = _clips(args)
     engine = WhisperFlashEngine(  # whole chains, every step a round: this measures the drafter, not the engine's cost controls
         EngineOptions(model=args.model, drafter=args.drafter, speculative=True, batch_size=args.batch_size,
-                      threads=args.threads, dtype=args.dtype, min_draft_prob=0.0, tree_nodes=0, pace=False)
+                      threads=args.threads, dtype=args.dtype, min_draft_prob=0.0, tree_nodes=0, pace=False,
+                      timestamps=args.timestamps)
     )
     print(f"eval-drafter: {engine_line(engine)}; drafter: {engine.drafter_source}", file=sys.stderr)
     with tqdm(total=len(clips), desc="eval", unit="clip", file=sys.stderr, disable=args.quiet) as bar:
