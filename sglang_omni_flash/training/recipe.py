@@ -80,6 +80,9 @@ class Recipe:
     def corpora_for(self, use: str) -> list[Corpus]:
         return [c for c in self.corpora if use in c.use]
 
+    def corpus(self, name: str) -> Corpus:
+        return next(c for c in self.corpora if c.name == name)
+
 
 def _expand(value: str, base: Path) -> str:
     from sglang_omni_flash.paths import audio_dir
@@ -128,11 +131,11 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
             corpora.append(Corpus(name=name, use=use, **spec))
         except TypeError as exc:
             raise UserError(f"recipe {path}: corpus {name}: {exc}") from exc
-    names = {c.name for c in corpora}
+    by_name = {c.name: c for c in corpora}
     for c in corpora:
-        if c.clips_from and (c.clips_from not in names or c.clips_from == c.name):
+        if c.clips_from and (c.clips_from not in by_name or c.clips_from == c.name):
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from names no other corpus ({c.clips_from})")
-        if c.clips_from and next(o for o in corpora if o.name == c.clips_from).clips_from:
+        if c.clips_from and by_name[c.clips_from].clips_from:
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from must name a corpus with clips of its own")
         if c.timestamps and not {"train", "validation"} & set(c.use):
             raise UserError(f"recipe {path}: corpus {c.name}: timestamps shape the teacher's decodes; evaluation "
@@ -186,11 +189,6 @@ class RecipeRun:
         from sglang_omni_flash.corpus.pack import pack_corpus
 
         root = self.work / "corpora" / corpus.name
-        if corpus.clips_from:
-            manifest = self.manifest_of(next(c for c in self.recipe.corpora if c.name == corpus.clips_from))
-            if corpus.select:
-                manifest = write_manifest(root / "selected.jsonl", select_clips(read_manifests([manifest]), corpus.select))
-            return manifest
         if corpus.synth:
             from sglang_omni_flash.corpus.synth import generate_corpus
             from sglang_omni_flash.paths import audio_dir
@@ -223,6 +221,9 @@ class RecipeRun:
     def clips_of(self, corpus: Corpus):
         from sglang_omni_flash.training import sources
 
+        if corpus.clips_from:  # any source's clips, selected by id like a manifest's
+            clips = self.clips_of(self.recipe.corpus(corpus.clips_from))
+            return select_clips(clips, corpus.select) if corpus.select else clips
         if corpus.librispeech:
             return sources.from_librispeech(corpus.librispeech)
         if corpus.dataset:
