@@ -203,7 +203,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kt, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(whisper_flash, m) {
+TORCH_LIBRARY_FRAGMENT(whisper_flash, m) {
   m.def("row_attention(Tensor q, Tensor kt, Tensor v, Tensor limit, Tensor? mask, float scale) -> Tensor");
 }
 

@@ -1,0 +1,60 @@
+"""Row-invariant CPU linears for the target: a row's bits never depend on what else is in the call.
+
+`RowLinear(weight, bias)` packs the weight once; calling it on x [..., K] gives x W^T + b through
+row_linear.cpp, where every output element is one fixed sequence of instructions over its own row
+of x in k order (fp32 accumulation), on one kernel path per process chosen from the CPU, never
+from the number of rows. A verify pass of 264 rows, a greedy step of 1 and a prefill of 32 give
+each row the same bits. BLAS / oneDNN choose kernels by the row count (measured on an AMX Xeon:
+bf16 rows changed their last bits past 32 rows of the call), which is what made speculative output
+differ from greedy there.
+
+Only the target uses it: the drafter's bits only change proposals, and it keeps its faster packed
+oneDNN / int8 copies (`flash.cpu_linear`). Off a CPU, for dtypes other than float32 / bfloat16, for
+inputs that need gradients, or where the kernel cannot be built (a warning says so) RowLinear
+falls back to `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sglang_omni_flash.kernels.torch_ops import load
+
+
+def available() -> bool:
+    return load("row_linear.cpp", "the target's linears use F.linear, whose last bits depend on the number of "
+                "rows (speculative output then equals greedy unless an argmax sits on a rounding tie)")
+
+
+def path(dtype: torch.dtype) -> str:
+    """The kernel path this process runs `dtype` linears on ("amx-bf16 tiles", "avx512 fma", ...)."""
+    if not available():
+        return "F.linear (no row-invariant kernel)"
+    return torch.ops.whisper_flash.row_linear_path(dtype == torch.bfloat16)
+
+
+class RowLinear:
+    """y = x W^T + b over a frozen weight, row-invariant on CPU (float32 / bfloat16)."""
+
+    __slots__ = ("weight", "bias", "packed", "out_features")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = self.weight.shape[0]
+        self.packed = None
+        if self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16) and available():
+            self.packed = torch.ops.whisper_flash.pack_linear(self.weight)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "RowLinear":
+        """From an nn.Linear, or a tied head such as an nn.Embedding (its weight; no bias)."""
+        return cls(module.weight, getattr(module, "bias", None))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu" or (
+                torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.whisper_flash.row_linear(x, self.packed, self.bias, self.out_features)
