@@ -77,6 +77,7 @@ def main() -> int:
 
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.flash.options import SpecOptions
     from sglang_omni_flash.engine.proposers import AdversarialProposer, OracleProposer
 
     started = time.perf_counter()
@@ -89,8 +90,8 @@ def main() -> int:
     tree_engine = None
     if args.tree_nodes and engine.drafter is not None:
         tree_engine = WhisperFlashEngine(
-            EngineOptions(model=args.model, batch_size=sizes[0], device="cuda", tree_nodes=args.tree_nodes,
-                          tree_min_prob=0.0, dtype=args.dtype),
+            EngineOptions(model=args.model, batch_size=sizes[0], device="cuda", dtype=args.dtype,
+                          spec=SpecOptions(tree_nodes=args.tree_nodes, tree_min_prob=0.0)),
             model=engine.model, drafter=engine.drafter,
         )
     eager = WhisperFlashEngine(

@@ -18,6 +18,7 @@ import torch
 
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.flash.options import SpecOptions
 from sglang_omni_flash.engine.proposers import OracleProposer
 
 K = 8
@@ -34,7 +35,7 @@ def two_threads():
 
 class Bf16Case:
     def __init__(self, name: str, clips):
-        self.engine = WhisperFlashEngine(EngineOptions(model=name, dtype="bfloat16", batch_size=CLIPS, pace=False))
+        self.engine = WhisperFlashEngine(EngineOptions(model=name, dtype="bfloat16", batch_size=CLIPS, spec=SpecOptions(pace=False)))
         chosen = sorted(clips, key=lambda c: c.duration)[len(clips) // 3:][:: max(1, len(clips) // (2 * CLIPS))][:CLIPS]
         self.features = self.engine.features([c.audio for c in chosen])
         self.encoded = self.engine.encode(self.features)  # the bf16 encoder

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.flash.options import SpecOptions
 from sglang_omni_flash.engine.prompt import build_prompt
 from sglang_omni_flash.engine.proposers import AdversarialProposer, LogitsProposer, OracleProposer, RandomProposer
 from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
@@ -42,7 +43,7 @@ class Case:
 
     def __init__(self, name: str, clips):
         self.name = name
-        self.engine = WhisperFlashEngine(EngineOptions(model=name, batch_size=8, speculative=True, dtype="float32", pace=False))
+        self.engine = WhisperFlashEngine(EngineOptions(model=name, batch_size=8, speculative=True, dtype="float32", spec=SpecOptions(pace=False)))
         self.features = self.engine.features([c.audio for c in clips])
         self.encoded = self.engine.encode(self.features)
         self.greedy = [r.tokens for r in self.engine.decode(encoder_out=self.encoded, speculative=False)]

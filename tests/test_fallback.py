@@ -1,4 +1,4 @@
-"""Temperature fallback (engine/fallback.py) on converted base, the shipped drafter and real test audio:
+"""Temperature fallback (flash/fallback.py) on converted base, the shipped drafter and real test audio:
 the judgement, its decisions on clean speech / forced thresholds / silence, and exactness under speculation."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
-from sglang_omni_flash.engine.fallback import LADDER, compression_ratio, judge
+from sglang_omni_flash.flash.fallback import LADDER, compression_ratio, judge
 from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.flash.options import SpecOptions
 
 
 def test_judgement_follows_openai_whisper():
@@ -28,7 +29,7 @@ def test_judgement_follows_openai_whisper():
 
 @pytest.fixture(scope="module")
 def engine(base_model_dir):
-    return WhisperFlashEngine(EngineOptions(model="base", dtype="float32", batch_size=4, pace=False))
+    return WhisperFlashEngine(EngineOptions(model="base", dtype="float32", batch_size=4, spec=SpecOptions(pace=False)))
 
 
 @pytest.fixture(scope="module")

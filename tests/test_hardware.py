@@ -48,18 +48,19 @@ def test_cpu_summary_names_the_features_that_decide():
 
 
 def test_round_cost_defaults_follow_device_and_dtype():
-    from sglang_omni_flash.engine.options import default_drafter_int8, default_min_draft_prob, default_tree
+    from sglang_omni_flash.flash.options import SpecOptions
 
-    # fp32 CPU: every verify row costs -> cut blocks, 8-node trees, int8 drafter
-    assert default_min_draft_prob("cpu", torch.float32) > 0
-    assert default_tree("cpu", "float32")[0] == 8 and default_drafter_int8("cpu", torch.float32)
+    fp32, bf16 = SpecOptions().resolved("cpu", torch.float32), SpecOptions().resolved("cpu", "bfloat16")
+    # fp32 CPU: every verify row costs -> cut blocks, 8-node trees, int8 drafter, paced
+    assert fp32.min_draft_prob > 0 and fp32.tree_nodes == 8 and fp32.drafter_int8 and fp32.pace
     # bf16 CPU (AMX): rows nearly free -> whole blocks, a larger tree, the drafter keeps bf16 weights
-    assert default_min_draft_prob("cpu", torch.bfloat16) == 0.0
-    assert default_tree("cpu", torch.bfloat16)[0] > default_tree("cpu", torch.float32)[0]
-    assert not default_drafter_int8("cpu", "bfloat16")
-    # CUDA: the paper's whole chain
-    assert default_tree("cuda", torch.float16) == (0, 0.0) and default_min_draft_prob("cuda", "float16") == 0.0
-    assert not default_drafter_int8("cuda", torch.float32)
+    assert bf16.min_draft_prob == 0.0 and bf16.tree_nodes > fp32.tree_nodes and not bf16.drafter_int8
+    # CUDA: the paper's whole chain, unpaced
+    cuda = SpecOptions().resolved("cuda", torch.float16)
+    assert (cuda.tree_nodes, cuda.tree_min_prob, cuda.min_draft_prob, cuda.pace) == (0, 0.0, 0.0, False)
+    assert not SpecOptions().resolved("cuda", torch.float32).drafter_int8
+    # what a caller set is kept
+    assert SpecOptions(tree_nodes=3, pace=True).resolved("cuda", torch.float16).tree_nodes == 3
 
 
 def test_engine_names_its_dtype_and_refuses_an_unknown_one(tiny_en_model_dir):

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from conftest import free_port, started_server
-from sglang_omni_flash.engine.fallback import LADDER
+from sglang_omni_flash.flash.fallback import LADDER
 from sglang_omni_flash.serving.launch import ServeOptions
 
 pytestmark = pytest.mark.server

@@ -190,7 +190,7 @@ def test_window_scores_are_the_engines(spec_server, plain_results, spec_results,
     import soundfile as sf
 
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
-    from sglang_omni_flash.engine.fallback import average_logprob
+    from sglang_omni_flash.flash.fallback import average_logprob
     from sglang_omni_flash.engine.options import EngineOptions
 
     engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), dtype="float32", speculative=False,

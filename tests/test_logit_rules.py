@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     WhisperTimeStampLogitsProcessor,
 )
 
-from sglang_omni_flash.engine.logit_rules import LogitRules, Prefix
+from sglang_omni_flash.flash.logit_rules import LogitRules, Prefix
 
 # a small vocabulary laid out like Whisper's: text < EOS < specials < notimestamps < timestamps
 V, EOS, NO_TS = 120, 50, 69

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_omni_flash.engine.pacing import Pacer
+from sglang_omni_flash.flash.pacing import Pacer
 
 
 def test_first_a_round_then_a_step_then_by_cost():
@@ -68,9 +68,10 @@ def test_probes_are_rarer_where_a_round_costs_far_more_than_it_brings():
 def tiny(tiny_en_model_dir, test_clips):
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.flash.options import SpecOptions
 
     torch.set_num_threads(1)
-    engine = WhisperFlashEngine(EngineOptions(model="tiny.en", dtype="float32", batch_size=4, pace=True))
+    engine = WhisperFlashEngine(EngineOptions(model="tiny.en", dtype="float32", batch_size=4, spec=SpecOptions(pace=True)))
     encoded = engine.encode(engine.features([c.audio for c in test_clips[:8]]))
     greedy = [r.tokens for r in engine.decode(encoder_out=encoded, speculative=False)]
     return engine, encoded, greedy
@@ -107,7 +108,7 @@ def test_busier_batches_verify_only_likelier_tree_nodes():
     """batch_min_path_prob: the threshold at one request is the given one; it rises with the batch
     (a node's row costs the same while a token is worth less of a busier step) and stays below 1;
     0 (no threshold, e.g. CUDA) stays 0."""
-    from sglang_omni_flash.engine.pacing import batch_min_path_prob
+    from sglang_omni_flash.flash.pacing import batch_min_path_prob
 
     assert batch_min_path_prob(0.05, 1) == 0.05
     thresholds = [batch_min_path_prob(0.05, n) for n in (1, 2, 4, 8, 16, 64)]

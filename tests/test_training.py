@@ -375,8 +375,8 @@ def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths
                                    init=str(SHIPPED_DRAFTERS_DIR / "base")), progress=False)
     save_drafter(trainer.drafter, tmp_path / "drafter")  # the trainer's own draft vocabulary
     engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), drafter=str(tmp_path / "drafter"),
-                                              speculative=True, min_draft_prob=0.0, drafter_int8=False, tree_nodes=0,
-                                              dtype="float32", pace=False))
+                                              speculative=True, dtype="float32").with_(
+        min_draft_prob=0.0, drafter_int8=False, tree_nodes=0, pace=False, max_backoff=0))
     utts = trainer.train  # loaded with their encoder outputs recomputed
     by_id = {c.id: c for c in clips}
     same = calls = 0
@@ -408,8 +408,8 @@ def test_eval_drafter_tallies_real_decoding_by_voice(tiny_en_model_dir, test_set
     from sglang_omni_flash.training.evaluate import evaluate_drafter, format_table, target_wer
 
     clips = from_manifest(test_set_paths.synth)[::4] + from_manifest(test_set_paths.librivox)[1:3]
-    engine = WhisperFlashEngine(EngineOptions(model=str(tiny_en_model_dir), speculative=True, batch_size=2,
-                                              min_draft_prob=0.0, tree_nodes=0, pace=False))
+    engine = WhisperFlashEngine(EngineOptions(model=str(tiny_en_model_dir), speculative=True, batch_size=2).with_(
+        min_draft_prob=0.0, tree_nodes=0, pace=False, max_backoff=0))
     result = evaluate_drafter(engine, clips)
     plain = engine.decode(engine.log_mel([c.load() for c in clips]), speculative=False)
     assert [c["text"] for c in result["per_clip"]] == [r.text for r in plain]

@@ -54,14 +54,14 @@ def test_build_tree_respects_budget_threshold_and_pads_rows():
 
 def test_ancestor_mask_and_attention_mask():
     tree = build_tree(PROBS, [3], nodes=4, width=2)  # rows: 1 = 3, 2 = 3-5, 3 = 4, 4 = 3-5-6
-    anc = ancestor_mask(tree)[0].int().tolist()
+    anc = ancestor_mask(tree.parent)[0].int().tolist()
     assert anc == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 1]]
     anchor_pos = torch.tensor([3])
-    mask = tree_attention_mask(tree, anchor_pos, width=8)[0, 0].int().tolist()
+    mask = tree_attention_mask(tree.parent, anchor_pos, width=8)[0, 0].int().tolist()
     # slots 0-2 committed, slot 3 + r holds row r, slot 8+ not in view
     assert mask[4] == [1, 1, 1, 1, 1, 1, 0, 1]
     assert mask[3] == [1, 1, 1, 1, 0, 0, 1, 0]
-    assert tree_positions(tree, anchor_pos).tolist() == [[3, 4, 5, 4, 6]]
+    assert tree_positions(tree.depth, anchor_pos).tolist() == [[3, 4, 5, 4, 6]]
 
 
 def test_greedy_walk_follows_the_target_through_second_choices():

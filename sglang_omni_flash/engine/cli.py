@@ -11,11 +11,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from sglang_omni_flash.engine.options import (
-    AMX_TREE_MIN_PROB, AMX_TREE_NODES, CPU_MIN_DRAFT_PROB, CPU_TREE_MIN_PROB, CPU_TREE_NODES, MAX_TREE_NODES,
-    EngineOptions,
-)
+from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.flash.options import (
+    BF16_CPU_TREE_MIN_PROB, BF16_CPU_TREE_NODES, CPU_MIN_DRAFT_PROB, CPU_TREE_MIN_PROB, CPU_TREE_NODES, SpecOptions,
+)
 from sglang_omni_flash.hardware import DTYPES
 
 
@@ -78,10 +78,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy rounds without timestamps verify a draft tree of up to N nodes (the drafter's "
                         "likeliest continuations, sharing prefixes) instead of one chain; same output, more "
                         f"tokens per target call. 0 = the paper's chain. Default: {CPU_TREE_NODES} on an fp32 CPU, "
-                        f"{AMX_TREE_NODES} on a bf16 CPU, 0 on CUDA")
+                        f"{BF16_CPU_TREE_NODES} on a bf16 CPU, 0 on CUDA")
     p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                    help="leave out tree nodes whose path probability under the drafter is below P "
-                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on an fp32 CPU, {AMX_TREE_MIN_PROB} in bf16")
+                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on an fp32 CPU, {BF16_CPU_TREE_MIN_PROB} in bf16")
     p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
                         "Default: on for an fp32 CPU")
@@ -108,17 +108,13 @@ def _options(args, **extra) -> EngineOptions:
         raise UserError(f"temperature must be >= 0, got {args.temperature}")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
-    if args.min_draft_prob is not None and not 0.0 <= args.min_draft_prob <= 1.0:
-        raise UserError(f"--min-draft-prob must be between 0 and 1, got {args.min_draft_prob}")
-    if args.tree_nodes is not None and not 0 <= args.tree_nodes <= MAX_TREE_NODES:
-        raise UserError(f"--tree-nodes must be between 0 and {MAX_TREE_NODES}, got {args.tree_nodes}")
-    if args.tree_min_prob is not None and not 0.0 <= args.tree_min_prob <= 1.0:
-        raise UserError(f"--tree-min-prob must be between 0 and 1, got {args.tree_min_prob}")
+    try:
+        spec = SpecOptions(min_draft_prob=args.min_draft_prob, tree_nodes=args.tree_nodes,
+                           tree_min_prob=args.tree_min_prob, drafter_int8=args.drafter_int8)
+    except ValueError as exc:  # SpecOptions names its fields: --tree-nodes is tree_nodes
+        raise UserError(f"bad speculation option: {exc}") from None
     return EngineOptions(
-        min_draft_prob=args.min_draft_prob,
-        tree_nodes=args.tree_nodes,
-        tree_min_prob=args.tree_min_prob,
-        drafter_int8=args.drafter_int8,
+        spec=spec,
         model=args.model,
         drafter=args.drafter,
         device=args.device,
@@ -153,7 +149,7 @@ def _progress(total: int, quiet: bool, desc: str):
 def _transcribe(args) -> int:
     from sglang_omni_flash.engine.audio import load_audio
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
-    from sglang_omni_flash.engine.fallback import LADDER
+    from sglang_omni_flash.flash.fallback import LADDER
 
     if args.batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {args.batch_size}")
@@ -255,15 +251,16 @@ def _bench(args) -> int:
 
     engine = WhisperFlashEngine(_options(args, speculative=True, batch_size=sizes[0]))
     print(f"whisper-flash bench: {engine_line(engine)}; model {engine.model_dir}; drafter: {engine.drafter_source}; "
-          f"min draft prob {engine.min_draft_prob:g}; draft tree {engine.tree_nodes} nodes >= {engine.tree_min_prob:g}; "
+          f"min draft prob {engine.spec.min_draft_prob:g}; draft tree {engine.spec.tree_nodes} nodes >= "
+          f"{engine.spec.tree_min_prob:g}; "
           f"int8 drafter {bool(engine.drafter is not None and engine.drafter.int8_inference)}", file=sys.stderr)
     features = engine.log_mel(waves)  # not timed: the timed path starts at the log-mel
     report = {
         "model": str(engine.model_dir),
         "drafter": engine.drafter_source,
-        "min_draft_prob": engine.min_draft_prob,
-        "tree_nodes": engine.tree_nodes,
-        "tree_min_prob": engine.tree_min_prob,
+        "min_draft_prob": engine.spec.min_draft_prob,
+        "tree_nodes": engine.spec.tree_nodes,
+        "tree_min_prob": engine.spec.tree_min_prob,
         "drafter_int8": bool(engine.drafter is not None and engine.drafter.int8_inference),
         "device": str(engine.device),
         "dtype": engine.dtype_choice.describe(),

@@ -22,13 +22,11 @@ import numpy as np
 import torch
 
 from sglang_omni_flash.engine.audio import LogMel, load_audio
-from sglang_omni_flash.engine.fallback import judge
 from sglang_omni_flash.engine.kv_cache import compact_rows
-from sglang_omni_flash.engine.logit_rules import LogitRules
-from sglang_omni_flash.engine.options import (
-    MAX_TREE_NODES, EngineOptions, default_drafter_int8, default_min_draft_prob, default_pace, default_tree,
-)
-from sglang_omni_flash.engine.pacing import Pacer
+from sglang_omni_flash.engine.options import EngineOptions
+from sglang_omni_flash.flash.fallback import judge
+from sglang_omni_flash.flash.logit_rules import LogitRules
+from sglang_omni_flash.flash.pacing import Pacer
 from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_language
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
@@ -364,22 +362,9 @@ class WhisperFlashEngine:
         if any(not 0 < t <= 2 for t in options.temperature_fallback) or list(options.temperature_fallback) != sorted(
                 options.temperature_fallback):
             raise UserError(f"temperature_fallback must be rising temperatures in (0, 2], got {options.temperature_fallback}")
-        if options.block_size < 1:
-            raise UserError(f"block size must be at least 1, got {options.block_size}")
-        if options.min_draft_prob is not None and not 0.0 <= options.min_draft_prob <= 1.0:
-            raise UserError(f"min_draft_prob must be between 0 and 1, got {options.min_draft_prob}")
-        if options.tree_nodes is not None and not 0 <= options.tree_nodes <= MAX_TREE_NODES:
-            raise UserError(f"tree_nodes must be between 0 and {MAX_TREE_NODES}, got {options.tree_nodes}")
-        if options.tree_min_prob is not None and not 0.0 <= options.tree_min_prob <= 1.0:
-            raise UserError(f"tree_min_prob must be between 0 and 1, got {options.tree_min_prob}")
         self.options = options
         self.device, self.dtype, self.dtype_choice = resolve_device(options)
-        tree_nodes, tree_min_prob = default_tree(self.device.type, self.dtype)
-        self.tree_nodes = tree_nodes if options.tree_nodes is None else options.tree_nodes
-        self.tree_min_prob = tree_min_prob if options.tree_min_prob is None else options.tree_min_prob
-        self.min_draft_prob = (options.min_draft_prob if options.min_draft_prob is not None
-                               else default_min_draft_prob(self.device.type, self.dtype))
-        self.pace = default_pace(self.device.type) if options.pace is None else options.pace
+        self.spec = options.spec.resolved(self.device.type, self.dtype)  # no None left
         # the drafter's pacer lives as long as the engine: costs per batch size and the running gain
         # carry from one decode call to the next (test proposers get a fresh pacer per call)
         self.drafter_pacer = Pacer()
@@ -402,8 +387,7 @@ class WhisperFlashEngine:
         self.drafter, self.drafter_source = (drafter, "given") if drafter is not None else self._load_drafter()
         if self.drafter is not None:
             self.drafter = self.drafter.to(device=self.device, dtype=self.dtype).eval()
-            int8 = options.drafter_int8
-            self.drafter.set_cpu_int8(default_drafter_int8(self.device.type, self.dtype) if int8 is None else int8)
+            self.drafter.set_cpu_int8(self.spec.drafter_int8)
             self._warm_up_drafter()
         history_layers = self.drafter.config.history_layers if self.drafter is not None else ()
         self.target = WhisperTarget(self.model, history_layers)
@@ -455,7 +439,7 @@ class WhisperFlashEngine:
             return load_drafter(shipped, self.model), f"shipped: {shipped}"
         with torch.random.fork_rng(devices=[]):  # the untrained drafter's mask vector is random
             torch.manual_seed(opts.seed)
-            drafter = WhisperFlashDrafter.from_target(self.model, block_size=opts.block_size)
+            drafter = WhisperFlashDrafter.from_target(self.model, block_size=opts.spec.num_draft_tokens)
         return drafter, "untrained (initialised from the target)"
 
     # -- public ------------------------------------------------------------------------------
@@ -499,7 +483,7 @@ class WhisperFlashEngine:
         source = features if encoder_out is None else encoder_out
         self.timing = Timing()
         self.pacer = None
-        if self.pace and proposer is not None:
+        if self.spec.pace and proposer is not None:
             self.pacer = self.drafter_pacer if proposer is self.proposer else Pacer()
         fallback = opts.temperature == 0 and bool(opts.temperature_fallback)
         generator = self._generator(fallback)  # one seeded stream per call
@@ -527,7 +511,7 @@ class WhisperFlashEngine:
         return out
 
     def _fall_back(self, encoder_out, results: list[DecodeResult], proposer, generator, first_id: int):
-        """Judge each window (engine.fallback); decode the ones to retry again at the next temperature."""
+        """Judge each window (flash.fallback); decode the ones to retry again at the next temperature."""
         opts = self.options
         thresholds = dict(compression_ratio_threshold=opts.compression_ratio_threshold,
                           logprob_threshold=opts.logprob_threshold, no_speech_threshold=opts.no_speech_threshold)
@@ -579,13 +563,10 @@ class WhisperFlashEngine:
             proposer,
             self.rules(),
             special.eos,
-            special.timestamp_begin,
             temperature,
             generator,
             self.device,
-            min_draft_prob=self.min_draft_prob,
-            tree_nodes=self.tree_nodes,
-            tree_min_prob=self.tree_min_prob,
+            spec=self.spec,
             pacer=self.pacer,
             clock=lambda: (sync(), time.perf_counter())[1],
             no_speech_id=special.no_timestamps - 1,  # <|nospeech|> / <|nocaptions|> (as transformers)

@@ -13,30 +13,31 @@ import torch
 import torch.nn.functional as F
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
-from sglang_omni_flash.flash.cpu_linear import FrozenLinear
+from sglang_omni_flash.kernels import linear as row_linear
 from sglang_omni_flash.kernels.attention import available as row_kernel, row_attention
+from sglang_omni_flash.kernels.linear import RowLinear
 
 
 class _Layer:
-    """One decoder block's weights (q/k/v fused; the step's linears as `FrozenLinear`, packed on CPU)."""
+    """One decoder block's weights: every linear a `RowLinear` (q/k/v fused, GELU fused into fc1)."""
 
     def __init__(self, layer):
         sa, ca = layer.self_attn, layer.encoder_attn
         self.ln1 = (layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, layer.self_attn_layer_norm.eps)
         k_bias = torch.zeros_like(sa.q_proj.bias)  # Whisper's k_proj has no bias
-        self.qkv = FrozenLinear(
+        self.qkv = RowLinear(
             torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0),
             torch.cat([sa.q_proj.bias, k_bias, sa.v_proj.bias], 0),
         )
-        self.o = FrozenLinear.of(sa.out_proj)
+        self.o = RowLinear.of(sa.out_proj)
         self.ln2 = (layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias, layer.encoder_attn_layer_norm.eps)
-        self.cq = FrozenLinear.of(ca.q_proj)
-        self.ck = ca.k_proj.weight  # k/v of the encoder output: once per request, F.linear
-        self.cv = (ca.v_proj.weight, ca.v_proj.bias)
-        self.co = FrozenLinear.of(ca.out_proj)
+        self.cq = RowLinear.of(ca.q_proj)
+        self.ck = RowLinear.of(ca.k_proj)  # k/v of the encoder output: once per request
+        self.cv = RowLinear.of(ca.v_proj)
+        self.co = RowLinear.of(ca.out_proj)
         self.ln3 = (layer.final_layer_norm.weight, layer.final_layer_norm.bias, layer.final_layer_norm.eps)
-        self.fc1 = FrozenLinear.of(layer.fc1)
-        self.fc2 = FrozenLinear.of(layer.fc2)
+        self.fc1 = RowLinear.of(layer.fc1, gelu=True)
+        self.fc2 = RowLinear.of(layer.fc2)
 
 
 def _ln(x, p):
@@ -63,27 +64,30 @@ class WhisperTarget:
         self.final_ln = (dec.layer_norm.weight, dec.layer_norm.bias, dec.layer_norm.eps)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        # CPU: attention through the row-invariant kernel (kernels/attention.py), and the head through
-        # the same packed kernel at every row count (its single-row gemv sums in another order), so
-        # a verify row gives exactly the bits of a one-row step: speculative output == greedy output
-        # by construction. Elsewhere SDPA and the single-row head (exact unless a float tie).
-        self.row_invariant = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and row_kernel()
-        self.head = FrozenLinear(model.proj_out.weight, single_row=not self.row_invariant)
+        # CPU: attention and every linear through the row-invariant kernels (kernels/), so a verify
+        # row gives exactly the bits of a one-row step at any batch size: speculative output ==
+        # greedy output by construction. Elsewhere SDPA and F.linear (exact unless a float tie).
+        self.row_invariant = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                              and row_kernel() and row_linear.available())
+        self.head = RowLinear(model.proj_out.weight)
         self.layers = [_Layer(layer) for layer in dec.layers]
         self.history_layers = tuple(history_layers)
         self._history_slot = {layer: i for i, layer in enumerate(self.history_layers)}
 
     # --- once per batch -------------------------------------------------------------------
     def encode(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-mel [B, n_mels, 3000] -> encoder output [B, 1500, d]."""
-        return self.model.model.encoder(features.to(self.dtype)).last_hidden_state
+        """Log-mel [B, n_mels, 3000] -> encoder output [B, 1500, d], one window per call: every call
+        then has the one shape [1, n_mels, 3000], so a window's bits never depend on the batch it
+        came in (its encoder output gives no_speech_prob, the cross K/V and the first token)."""
+        encoder = self.model.model.encoder
+        return torch.cat([encoder(window[None].to(self.dtype)).last_hidden_state for window in features])
 
     def fill_cross(self, encoder_out: torch.Tensor, cross: CrossKV) -> None:
         """Cross-attention K/V of every layer for rows 0..B-1, computed once."""
         b, t, _ = encoder_out.shape
         for i, lw in enumerate(self.layers):
-            k = F.linear(encoder_out, lw.ck).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            v = F.linear(encoder_out, *lw.cv).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = lw.ck(encoder_out).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            v = lw.cv(encoder_out).view(b, t, self.heads, self.head_dim).transpose(1, 2)
             cross.k[i, :b].copy_(k)
             cross.v[i, :b].copy_(v)
 
@@ -152,7 +156,7 @@ class WhisperTarget:
             h = h + lw.co(a.transpose(1, 2).reshape(n, t, self.d_model))
             # feed-forward
             x = _ln(h, lw.ln3)
-            h = h + lw.fc2(F.gelu(lw.fc1(x)))
+            h = h + lw.fc2(lw.fc1(x))  # GELU inside fc1
             slot = self._history_slot.get(i)
             if slot is not None:
                 history_out[:n, :t, slot] = h

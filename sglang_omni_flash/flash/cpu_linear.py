@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sglang_omni_flash.kernels.linear import tensor_state
+
 PACK_ROWS_HINT = 8  # oneDNN's M hint for the packed layout; 1..72 rows measured alike around it
 
 
@@ -124,22 +126,6 @@ class FrozenLinear:
         between greedy and Whisper-Flash. Two rows cost what one does (the step is memory-bound)."""
         pair = x.reshape(1, -1).repeat(2, 1)
         return F.linear(pair, self.weight, self.bias)[:1].view(*x.shape[:-1], self.weight.shape[0])
-
-
-def tensor_state(t: Tensor | None) -> tuple | None:
-    """What identifies a tensor's current values: its storage, its in-place version, device, dtype.
-
-    A copy made from a weight is stale once any of these changed (an optimizer step or
-    `load_state_dict` writes in place and bumps the version; `.to()` or a replaced parameter moves
-    the storage). Inference tensors (weights loaded under `torch.inference_mode`, as a serving engine
-    may do) keep no version counter; there the storage alone decides."""
-    if t is None:
-        return None
-    try:
-        version = t._version
-    except RuntimeError:
-        version = None
-    return (t.data_ptr(), version, t.device, t.dtype)
 
 
 # module -> (tensor states of weight and bias, made with single_row, the copy)

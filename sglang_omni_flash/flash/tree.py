@@ -59,12 +59,13 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
-def build_tree(probs: torch.Tensor, num: list[int], nodes: int, width: int = 4,
+def build_tree(probs: torch.Tensor, num: list[int], nodes: int | list[int], width: int = 4,
                min_path_prob: float = 0.0, pad_token: int = 0) -> DraftTree:
     """probs [n, K, V] (the drafter's distributions after the logit rules) -> the draft tree of each
-    request: at most `nodes` nodes, depth <= num[b] (the budget rule: R tokens left -> depth R-1),
-    best-first by path score, at least one node per request with num[b] > 0."""
+    request: at most `nodes` nodes (or nodes[b]), depth <= num[b] (the budget rule: R tokens left ->
+    depth R-1), best-first by path score, at least one node per request with num[b] > 0."""
     n, k, _ = probs.shape
+    nodes = [nodes] * n if isinstance(nodes, int) else list(nodes)
     w = min(width, probs.shape[-1])
     top_p, top_i = (x.tolist() for x in probs.float().topk(w, dim=-1))
     rows: list[list[tuple[int, int, int]]] = []  # per request: (token, parent row, depth)
@@ -76,7 +77,7 @@ def build_tree(probs: torch.Tensor, num: list[int], nodes: int, width: int = 4,
             heap = [(-top_p[b][0][i], i, top_i[b][0][i], 0, 1) for i in range(w)]
             heapq.heapify(heap)
             tie = w
-            while heap and len(chosen) < nodes:
+            while heap and len(chosen) < nodes[b]:
                 neg, _, token, parent, depth = heapq.heappop(heap)
                 if chosen and -neg < min_path_prob:
                     break
@@ -101,23 +102,24 @@ def build_tree(probs: torch.Tensor, num: list[int], nodes: int, width: int = 4,
                      children, tokens.tolist())
 
 
-def ancestor_mask(tree: DraftTree) -> torch.Tensor:
-    """[n, T, T] bool, T = 1 + N: entry (r, s) = verify row s is row r itself or one of its ancestors
-    (the anchor, row 0, is an ancestor of every node)."""
-    n, size = tree.parent.shape
+def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """parent [n, N] (the verify row of each node's parent, a tree's `parent`) -> [n, T, T] bool,
+    T = 1 + N: entry (r, s) = verify row s is row r itself or one of its ancestors (the anchor, row
+    0, is an ancestor of every node)."""
+    n, size = parent.shape
     t = size + 1
-    anc = torch.eye(t, dtype=torch.bool, device=tree.parent.device).expand(n, t, t).clone()
-    batch = torch.arange(n, device=tree.parent.device)
+    anc = torch.eye(t, dtype=torch.bool, device=parent.device).expand(n, t, t).clone()
+    batch = torch.arange(n, device=parent.device)
     for r in range(1, t):  # parents come first, so their rows are complete
-        anc[:, r] |= anc[batch, tree.parent[:, r - 1]]
+        anc[:, r] |= anc[batch, parent[:, r - 1]]
     return anc
 
 
-def tree_attention_mask(tree: DraftTree, anchor_pos: torch.Tensor, width: int) -> torch.Tensor:
-    """The verify block's attention mask [n, 1, T, width] over cache slots 0..width-1: slot s is
-    visible to row r when s < t (committed positions of the request) or s = t + r' with r' an
-    ancestor-or-self of r."""
-    anc = ancestor_mask(tree)
+def tree_attention_mask(parent: torch.Tensor, anchor_pos: torch.Tensor, width: int) -> torch.Tensor:
+    """The verify block's attention mask [n, 1, T, width] over cache slots 0..width-1 (parent [n, N]
+    as in `ancestor_mask`): slot s is visible to row r when s < t (committed positions of the
+    request) or s = t + r' with r' an ancestor-or-self of r."""
+    anc = ancestor_mask(parent)
     n, t, _ = anc.shape
     key = torch.arange(width, device=anc.device)[None, :]  # [1, w]
     rel = key - anchor_pos[:, None]  # [n, w]: block row held by each slot
@@ -127,10 +129,11 @@ def tree_attention_mask(tree: DraftTree, anchor_pos: torch.Tensor, width: int) -
     return mask[:, None]
 
 
-def tree_positions(tree: DraftTree, anchor_pos: torch.Tensor) -> torch.Tensor:
-    """Positions [n, T] of the verify block: the anchor at t, node r at t + depth(r)."""
-    zero = torch.zeros_like(tree.depth[:, :1])
-    return anchor_pos[:, None] + torch.cat([zero, tree.depth], 1)
+def tree_positions(depth: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    """Positions [n, T] of the verify block (depth [n, N] of the nodes): the anchor at t, node r at
+    t + depth(r)."""
+    zero = torch.zeros_like(depth[:, :1])
+    return anchor_pos[:, None] + torch.cat([zero, depth], 1)
 
 
 def greedy_tree_accept(tree: DraftTree, picks: list[list[int]], num: list[int], eos_id: int):

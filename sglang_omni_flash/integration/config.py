@@ -22,7 +22,7 @@ from sglang_omni.models.whisper_asr.config import (
     WhisperASRStageConfig,
 )
 
-from sglang_omni_flash.engine.fallback import FallbackPolicy
+from sglang_omni_flash.flash.fallback import FallbackPolicy
 from sglang_omni_flash.integration.metrics import ROUTE_PREFIX as METRICS_ROUTE
 
 _FALLBACK = FallbackPolicy()  # openai-whisper's defaults
@@ -47,7 +47,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # change, never the output). None: by device and dtype, on for an fp32 CPU.
     speculative_drafter_int8: bool | None = None
     # Per step, a round only where its measured cost is paid by the running acceptance, else a
-    # stock step (engine/pacing.py; cost only, never output). None: by device, on for CPU.
+    # stock step (flash/pacing.py; cost only, never output). None: by device, on for CPU.
     speculative_pace: bool | None = None
     # Greedy steps verify a draft tree of up to this many nodes per request (the drafter's likeliest
     # continuations sharing their prefixes; flash/tree.py) instead of one chain: more tokens per
@@ -58,7 +58,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
     # None: by device and dtype (0.05 on an fp32 CPU, 0.02 on a bf16 CPU).
     speculative_tree_min_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
-    # OpenAI's temperature fallback (window_scores.py, engine/fallback.py): on the audio routes a
+    # OpenAI's temperature fallback (window_scores.py, flash/fallback.py): on the audio routes a
     # request at temperature 0 (or none) has each 30 s window judged, and one judged too repetitive
     # (gzip ratio above compression_ratio_threshold) or too unsure (average log-probability below
     # logprob_threshold) decoded again at 0.2, 0.4 .. 1.0. A window whose <|nospeech|> probability is

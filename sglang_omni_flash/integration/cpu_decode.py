@@ -1,27 +1,32 @@
-"""The Whisper ASR stage's decoder on a CPU: a cheaper decode step, and the same bits in every pass.
+"""The Whisper ASR stage's model on a CPU: a cheaper decode step, and the same bits in every pass.
 
 Stock sglang runs a CPU decode step of Whisper with `F.linear` for every decoder linear and the
-tied head (MKL; for one row of base's 51,865 x 512 head 12.8 ms, packed oneDNN 7.2 ms:
-flash/cpu_linear.py), and with torch-native attention that copies each request's 1,500 encoder
-K/V rows per layer and step (`k_cache[req_to_token[...]]`) before attending to them. Measured on
-this project's CPU, plain serving at C=1 was 1.5x the standalone engine's greedy for the same clips.
+tied head (MKL/oneDNN, whose kernel and last bits change with the number of rows in the call), and
+with torch-native attention that copies each request's 1,500 encoder K/V rows per layer and step
+(`k_cache[req_to_token[...]]`) before attending to them.
 
 `install(model)` (the plugin's engine builders call it on a CPU, plain and speculative servers
-alike) changes how the step is computed, not what:
+alike) changes how the model is computed, not what:
 
-* every `nn.Linear` of the decoder and the tied head run through their `frozen_copy` (packed once;
-  the same kernel at any row count, no single-row special case);
+* every `nn.Linear` of the decoder (prefill, decode step and the encoder states' cross K/V) and the
+  tied head run through their `row_copy` (kernels/linear.py: each output element one fixed
+  sequence over k, whatever the row count); GELU is fused into fc1 there;
 * decode-mode attention (self and cross) runs through `attend_rows`: the row-invariant kernel of
   kernels/attention.py, whose every row is a fixed sequence of operations over the keys it sees. It
   wants keys transposed (contiguous over keys); a request's encoder keys are transposed once per
-  cross layer and kept (`EncoderKeys`) until the pool slots they came from are written again.
+  cross layer and kept (`EncoderKeys`) until the pool slots they came from are written again;
+* the encoder runs one 30 s window per call, always the one shape [1, n_mels, 3000], so a window's
+  encoder states never depend on which other windows the encoder service batched with it.
 
-The verify pass of the Whisper-Flash decode worker (verify.py) calls the same `frozen_copy` linears
+Prefill attention stays stock: sglang's torch-native backend attends per request, over that
+request's own prompt, so its shapes never depend on the other requests. Layer norms are torch's,
+which computes each row by one call over that row alone.
+
+The verify pass of the Whisper-Flash decode worker (verify.py) calls the same `row_copy` linears
 and the same `attend_rows`, all rows of a request in one call, each row over the keys it would see
 in a plain step, so a verified row reproduces the bits of the plain step at that position:
-speculative output equals plain output by construction, in float32 and bfloat16 alike (torch's
-attention changes its last bits with the number of query rows and masked keys; in bfloat16 that
-flips argmaxes). Where the kernel cannot be built, both paths fall back to torch SDPA one row at a
+speculative output equals plain output by construction, in float32 and bfloat16 alike, on any
+CPU. Where the attention kernel cannot be built, both paths fall back to torch SDPA one row at a
 time (`attend_row`), which keeps that property at the price of one call per row.
 """
 
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sglang_omni_flash.flash.cpu_linear import frozen_copy
+from sglang_omni_flash.kernels.linear import row_copy
 from sglang_omni_flash.kernels import attention as row_kernel
 
 logger = logging.getLogger("sglang_omni_flash.cpu_decode")
@@ -151,16 +156,28 @@ def cross_keys(attn, kbuf: Tensor, vbuf: Tensor, slots: Tensor, first: int | Non
     return kbuf[first: first + n], vbuf[first: first + n], kt
 
 
-def _linear_forward(module: nn.Linear):
+def _linear_forward(module: nn.Linear, gelu: bool = False):
     def forward(x: Tensor) -> Tensor:
-        return frozen_copy(module)(x)
+        return row_copy(module, gelu)(x)
 
     return forward
 
 
 def _lm_head(hidden_states: Tensor, lm_head, embedding_bias: Tensor | None = None) -> Tensor:
-    logits = frozen_copy(lm_head)(hidden_states)
+    logits = row_copy(lm_head)(hidden_states)
     return logits if embedding_bias is None else logits + embedding_bias
+
+
+def _one_window_at_a_time(run_encoder):
+    """run_encoder over features [B, n_mels, frames] as B calls of one window each (the same shape
+    every call, so the same kernels and bits for a window whatever it was batched with)."""
+
+    def run(features: Tensor) -> Tensor:
+        if features.shape[0] <= 1:
+            return run_encoder(features)
+        return torch.cat([run_encoder(features[i: i + 1]) for i in range(features.shape[0])])
+
+    return run
 
 
 class _DecodeAttention:
@@ -228,9 +245,16 @@ def install(model) -> bool:
                 logger.warning("whisper-flash: decoder layer without %s.attn; stock CPU decode kept", name)
                 return False
             attentions.append(attn)
+    gelu = all(type(layer.activation_fn).__name__ == "GELUActivation" for layer in decoder.layers)
     for module in decoder.modules():
         if isinstance(module, nn.Linear):
             module.forward = _linear_forward(module)
+    if gelu:  # GELU inside fc1's kernel: one fixed sequence per element (torch's has scalar tails)
+        for layer in decoder.layers:
+            layer.fc1.forward = _linear_forward(layer.fc1, gelu=True)
+            layer.activation_fn = nn.Identity()
+    if hasattr(model, "run_encoder"):
+        model.run_encoder = _one_window_at_a_time(model.run_encoder)
     keys = model._whisper_flash_encoder_keys = EncoderKeys()
     for attn in attentions:
         attn.forward = _DecodeAttention(attn, keys)
@@ -238,5 +262,8 @@ def install(model) -> bool:
         layer.encoder_attn.cache_encoder_states = _forgetting_old_keys(layer.encoder_attn, keys)
     processor._compute_lm_head = _lm_head
     model._whisper_flash_cpu_decode = True
-    logger.info("whisper-flash: CPU decode step: packed linears and head, row-invariant attention kernel (%s)", weight.dtype)
+    from sglang_omni_flash.kernels import linear
+
+    logger.info("whisper-flash: CPU model: row-invariant linears (%s) and attention kernel, encoder one window "
+                "per call (%s)", linear.path(weight.dtype), weight.dtype)
     return True

@@ -35,7 +35,7 @@ logger = logging.getLogger("sglang_omni_flash.spec")
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
     def __init__(self, *, fallback=None, **stock):
         from sglang_omni_flash.integration.metrics import FallbackMetrics
-        from sglang_omni_flash.engine.fallback import FallbackPolicy
+        from sglang_omni_flash.flash.fallback import FallbackPolicy
 
         super().__init__(**stock)
         self.fallback = fallback if fallback is not None else FallbackPolicy()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sglang_omni_flash.engine.fallback import compression_ratio  # the one the engine judges fallback by
+from sglang_omni_flash.flash.fallback import compression_ratio  # the one the engine judges fallback by
 
 TIMESTAMP_STEP_S = 0.02  # one Whisper timestamp token
 _TIMESTAMP = re.compile(r"<\|(\d+(?:\.\d+)?)\|>")

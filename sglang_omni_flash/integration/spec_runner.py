@@ -40,7 +40,7 @@ from torch import Tensor
 from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.engine.options import default_min_draft_prob, default_pace, default_tree
-from sglang_omni_flash.engine.pacing import Pacer, batch_min_path_prob
+from sglang_omni_flash.flash.pacing import Pacer, batch_min_path_prob
 from sglang_omni_flash.flash.accept import (
     confident_length, greedy_accept, probs_from_logits, sample_tokens, speculative_sample,
 )
@@ -198,7 +198,7 @@ class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
         self.tree_min_prob = min_prob if tree_min_prob is None else float(tree_min_prob)
         self.max_backoff = int(max_backoff)
         # Per step, for the whole batch: a round only where its measured cost is paid by the running
-        # acceptance, else a stock step (engine/pacing.py, as the standalone engine; cost only, never
+        # acceptance, else a stock step (flash/pacing.py, as the standalone engine; cost only, never
         # output). None: by device, on for CPU (at C=16 in fp32 a round costs far more than a step).
         if pace is None:
             pace = default_pace(weights.device.type)

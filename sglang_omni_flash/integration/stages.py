@@ -43,7 +43,7 @@ def create_whisper_flash_asr_executor(
     no_speech_threshold: float | None = None,
     **stock_kwargs,
 ):
-    from sglang_omni_flash.engine.fallback import FallbackPolicy
+    from sglang_omni_flash.flash.fallback import FallbackPolicy
 
     given = {"enabled": temperature_fallback, "compression_ratio_threshold": compression_ratio_threshold,
              "logprob_threshold": logprob_threshold, "no_speech_threshold": no_speech_threshold}

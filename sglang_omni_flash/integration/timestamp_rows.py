@@ -4,7 +4,7 @@ A timestamped request (srt, vtt, verbose_json) reaches the stage with sglang-omn
 ``WhisperTimestampLogitProcessor``, which sglang's sampler applies to one row per request: the
 logits after the request's ``logit_bias``, with the request's ``output_ids`` as the prefix. A
 speculative step produces k+1 logits rows per request whose prefixes are ``output_ids`` plus
-the first i candidates; it applies the *engine's* rules (``engine.logit_rules``, the same code
+the first i candidates; it applies the *engine's* rules (``flash.logit_rules``, the same code
 the standalone engine speculates with, not a copy) to each row with that row's prefix, after the
 same bias. The rules are openai-whisper's / transformers' (tests/test_logit_rules.py checks them
 against transformers), and sglang-omni's processor implements the same ones, so row 0 of a
@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
-from sglang_omni_flash.engine.logit_rules import ApplyTimestampRules, LogitRules, Prefix
+from sglang_omni_flash.flash.logit_rules import ApplyTimestampRules, LogitRules, Prefix
 from sglang_omni_flash.flash.accept import probs_from_logits, sample_tokens
 
 

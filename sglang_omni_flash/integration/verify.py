@@ -13,8 +13,9 @@ attends with exactly the new rows:
                    ``req_to_token[row, 0 : enc]`` in the cross layer planes (written at prefill).
 
 The rows of a request go through ``cpu_decode.attend_rows`` together, each over exactly the keys a
-plain decode step at its position attends to, and the linears and head through the same packed
-copies as the decode step: a verified row has the bits of that plain step (cpu_decode.py explains why).
+plain decode step at its position attends to, and the linears and head through the same
+row-invariant copies as the decode step (``row_copy``): a verified row has the bits of that plain
+step (cpu_decode.py explains why).
 
 It also returns the residual stream after the drafter's history layers (before the final
 layer norm), so no hooks are needed on this path. Pure torch over sglang's pool tensors:
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_omni_flash.flash.cpu_linear import frozen_copy
+from sglang_omni_flash.kernels.linear import row_copy
 from sglang_omni_flash.integration.cpu_decode import EncoderKeys, attend_rows, cross_keys, encoder_run
 
 
@@ -74,11 +75,11 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
                    history_layers: tuple[int, ...]) -> VerifyOutput:
     """Run the target decoder over every row's tokens at positions L..L+n-1 (K/V written to the pool).
 
-    Every linear and the tied head run through their `frozen_copy` (packed once on CPU; see
-    flash/cpu_linear.py)."""
+    Every linear and the tied head run through their `row_copy` (kernels/linear.py; GELU fused into
+    fc1), as the decode step's do."""
 
-    def lin(module, x: Tensor) -> Tensor:
-        return frozen_copy(module)(x)
+    def lin(module, x: Tensor, gelu: bool = False) -> Tensor:
+        return row_copy(module, gelu)(x)
 
     decoder = model.model.decoder
     device = decoder.embed_tokens.weight.device
@@ -129,10 +130,10 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         h = h + lin(ca.out_proj, o)
 
         x = layer.final_layer_norm(h)
-        h = h + lin(layer.fc2, layer.activation_fn(lin(layer.fc1, x)))
+        h = h + lin(layer.fc2, lin(layer.fc1, x, gelu=True))
         if index in history_layers:
             captured[index] = h
     hidden = decoder.layer_norm(h)
-    logits = lin(model.lm_head, hidden)  # the packed head at every row count, as the decode step (cpu_decode)
+    logits = lin(model.lm_head, hidden)  # the row-invariant head, as the decode step's (cpu_decode)
     history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
     return VerifyOutput(logits=logits, history=history, offsets=offsets)

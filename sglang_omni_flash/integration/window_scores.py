@@ -1,6 +1,6 @@
 """What temperature fallback needs from the ASR stage's decode worker, and its verdict per window.
 
-openai-whisper judges a decoded 30 s window by three numbers (``engine/fallback.py``): the
+openai-whisper judges a decoded 30 s window by three numbers (``flash/fallback.py``): the
 average log-probability of its tokens, the gzip compression ratio of its text, and the
 ``<|nospeech|>`` probability at the ``<|startoftranscript|>`` position. sglang-omni computes none
 of them without ``return_logprob``, which would take every request off the speculative path
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from sglang_omni.model_runner.base import ModelRunner
 
-from sglang_omni_flash.engine.fallback import FallbackPolicy, judge
+from sglang_omni_flash.flash.fallback import FallbackPolicy, judge
+from sglang_omni_flash.kernels.linear import row_copy
 
 MAX_SCORED_REQUESTS = 4096  # a request that never reaches the result adapter cannot grow the table
 REPORT_KEY = "whisper_flash"  # omni_rollout[REPORT_KEY]: the window's verdict
@@ -62,7 +63,8 @@ class WindowScores:
     def add(self, rid: str, logprobs: list[float]) -> None:
         with self.lock:
             score = self._get(rid)
-            score.sum_logprob += float(sum(logprobs))
+            for value in logprobs:  # one addition per token, in order: the same float sum whether a
+                score.sum_logprob += float(value)  # step emitted one token or a round several
             score.tokens += len(logprobs)
 
     def set_no_speech(self, rid: str, prob: float) -> None:
@@ -90,7 +92,7 @@ class ScoringRunnerMixin:
         self._want_logprobs = False
         model = self.tp_worker.model_runner.model
         model.model.decoder.layer_norm.register_forward_hook(self._on_final_norm)
-        self._head = model.lm_head.weight
+        self._head_module = model.lm_head
         sampler = self.tp_worker.model_runner.sampler
         real = sampler._preprocess_logits
 
@@ -136,8 +138,8 @@ class ScoringRunnerMixin:
             row += n
         if not rows:
             return
-        with torch.inference_mode():
-            logits = hidden[rows].float() @ self._head.float().T
+        with torch.inference_mode():  # the decode step's own head: the same bits whatever else was prefilled
+            logits = row_copy(self._head_module)(hidden[rows]).float()
             probs = torch.softmax(logits, dim=-1)[:, self.no_speech_id].tolist()
         for rid, prob in zip(rids, probs):
             self.scores.set_no_speech(rid, prob)

@@ -16,6 +16,8 @@ falls back to `F.linear`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,23 +40,57 @@ def path(dtype: torch.dtype) -> str:
 class RowLinear:
     """y = x W^T + b over a frozen weight, row-invariant on CPU (float32 / bfloat16)."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "gelu")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, gelu: bool = False):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
+        self.gelu = gelu  # GELU(x W^T + b), fused into the kernel (Whisper's fc1)
         self.out_features = self.weight.shape[0]
         self.packed = None
         if self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16) and available():
             self.packed = torch.ops.whisper_flash.pack_linear(self.weight)
 
     @classmethod
-    def of(cls, module: nn.Module) -> "RowLinear":
+    def of(cls, module: nn.Module, gelu: bool = False) -> "RowLinear":
         """From an nn.Linear, or a tied head such as an nn.Embedding (its weight; no bias)."""
-        return cls(module.weight, getattr(module, "bias", None))
+        return cls(module.weight, getattr(module, "bias", None), gelu)
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu" or (
                 torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.whisper_flash.row_linear(x, self.packed, self.bias, self.out_features)
+            y = F.linear(x, self.weight, self.bias)
+            return F.gelu(y) if self.gelu else y
+        return torch.ops.whisper_flash.row_linear(x, self.packed, self.bias, self.out_features, self.gelu)
+
+
+def tensor_state(t: Tensor | None) -> tuple | None:
+    """What identifies a tensor's current values: its storage, its in-place version, device, dtype.
+
+    A copy made from a weight is stale once any of these changed (an optimizer step or
+    `load_state_dict` writes in place and bumps the version; `.to()` or a replaced parameter moves
+    the storage). Inference tensors (weights loaded under `torch.inference_mode`, as a serving engine
+    may do) keep no version counter; there the storage alone decides."""
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:
+        version = None
+    return (t.data_ptr(), version, t.device, t.dtype)
+
+
+# module -> (tensor states of weight and bias, gelu, the copy)
+_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, RowLinear]]" = weakref.WeakKeyDictionary()
+
+
+def row_copy(module: nn.Module, gelu: bool = False) -> RowLinear:
+    """The module's `RowLinear` (an nn.Linear, or a tied head's module), made on first use and again
+    after any write to its weight or bias; it lives as long as the module. The serving decode step,
+    prefill and verify pass all go through it, so they share one packed copy per linear."""
+    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)), gelu)
+    entry = _COPIES.get(module)
+    if entry is None or entry[0] != key:
+        entry = (key, RowLinear.of(module, gelu))
+        _COPIES[module] = entry
+    return entry[1]

@@ -15,8 +15,9 @@
 //                                in order; rows past M are zeros of a padded copy of x;
 //   bfloat16 with AVX512-BF16    VDPBF16PS: k pairs in order, lanes over the columns;
 //   bfloat16 otherwise           the weight widened to fp32 (exact), FMA as for float32.
-// Every path accumulates in fp32, adds the bias in fp32 and rounds to the output dtype once (round
-// to nearest even). Work is split over column groups only, so a thread count never changes a bit.
+// Every path accumulates in fp32, adds the bias in fp32 (then, for fc1, GELU: fused here so that it
+// too is one fixed sequence per element, where torch's elementwise kernels send the elements at a
+// thread's chunk edge through a scalar tail) and rounds to the output dtype once (to nearest even). Work is split over column groups only, so a thread count never changes a bit.
 // A column's lane within a vector never changes its arithmetic either (every lane runs the same
 // instruction), so padding the columns to whole panels is free of consequences.
 //
@@ -106,29 +107,77 @@ constexpr bool VNNI = false;
 
 // ------------------------------------------------------------------------ the output rows
 
-// out[r, c] = round(acc[r, c] + bias[c]) for r < rows, c < cols: the one epilogue of every path.
+// The epilogue works on whole vectors of 16 floats (GCC vector extensions: the same instructions for
+// every lane on any ISA; buffers are padded to whole panels), so no column ever takes a scalar tail.
+typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));
+
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exp(x) for x <= 0, exactly 0 below -87: Cody-Waite reduction and Cephes' degree-6 polynomial
+inline f16v exp_nonpositive(f16v x) {
+  const f16v v = x > -87.f ? x : f16v{} - 87.f;
+  const f16v k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
+  f16v r = v - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  f16v p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const f16v scale = (f16v)((__builtin_convertvector(k, i16v) + 127) << 23);
+  return x > -87.f ? p * scale : f16v{};
+}
+
+// GELU(v) = v/2 (1 + erf(v / sqrt 2)), erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, the
+// approximation torch's own vectorised CPU erf uses)
+inline f16v gelu(f16v v) {
+  const f16v x = v * 0.70710678118654752f;
+  const i16v sign = (i16v)x & (int32_t)0x80000000;
+  const f16v a = (f16v)((i16v)x & 0x7FFFFFFF);
+  const f16v t = 1.f / (a * 0.3275911f + 1.f);
+  f16v y = t * 1.061405429f - 1.453152027f;
+  y = y * t + 1.421413741f;
+  y = y * t - 0.284496736f;
+  y = y * t + 0.254829592f;
+  y = y * t;
+  const f16v erf_abs = 1.f - y * exp_nonpositive(f16v{} - a * a);
+  const f16v erf = (f16v)((i16v)erf_abs | sign);
+  return v * 0.5f * (erf + 1.f);
+}
+
+// out[r, c] = act(acc[r, c] + bias[c]) for r < rows, c < cols, rounded once to T: the one epilogue
+// of every path. Columns up to cols rounded up to 16 of acc and bias are readable (whole panels).
 template <typename T>
-void write_rows(const float* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* bias, T* out,
-                int64_t out_ld) {
+void write_rows(const float* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* bias,
+                bool act_gelu, T* out, int64_t out_ld) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* a = acc + r * acc_ld;
-    T* o = out + r * out_ld;
-    if constexpr (std::is_same_v<T, float>) {
-      for (int64_t c = 0; c < cols; ++c) o[c] = bias == nullptr ? a[c] : a[c] + bias[c];
-    } else {
-      // round to nearest even, as c10::BFloat16(float) does (NaN kept a quiet NaN)
-      for (int64_t c = 0; c < cols; ++c) {
-        const float v = bias == nullptr ? a[c] : a[c] + bias[c];
-        uint32_t u;
-        std::memcpy(&u, &v, 4);
-        uint16_t h;
-        if (std::isnan(v)) {
-          h = 0x7FC0;
-        } else {
-          u += 0x7FFFu + ((u >> 16) & 1u);
-          h = static_cast<uint16_t>(u >> 16);
-        }
-        std::memcpy(o + c, &h, 2);
+    for (int64_t c = 0; c < cols; c += 16) {
+      f16v v = load16(acc + r * acc_ld + c);
+      if (bias != nullptr) v = v + load16(bias + c);
+      if (act_gelu) v = gelu(v);
+      T* o = out + r * out_ld + c;
+      if constexpr (std::is_same_v<T, float>) {
+        if (c + 16 <= cols)
+          std::memcpy(o, &v, 64);
+        else
+          std::memcpy(o, &v, (cols - c) * 4);
+      } else {  // round to nearest even, as c10::BFloat16(float) does; NaN stays a quiet NaN
+        const u16v u = (u16v)v;
+        const u16v rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        const u16v bits = v != v ? u16v{} + 0x7FC0u : rounded;
+        const h16v h = __builtin_convertvector(bits, h16v);
+        if (c + 16 <= cols)
+          std::memcpy(o, &h, 32);
+        else
+          std::memcpy(o, &h, (cols - c) * 2);
       }
     }
   }
@@ -192,7 +241,7 @@ void fma_dispatch(int64_t rows, const float* x, int64_t x_ld, const W* panels, i
 // x [M, K] fp32 (rows x_ld apart), weights [P, K, 16] of W -> out [M, N] of T
 template <typename W, typename T>
 void fma_linear(const float* x, int64_t x_ld, int64_t m_len, const W* panels, int64_t k_len, int64_t n_len,
-                const float* bias, T* out) {
+                const float* bias, bool act_gelu, T* out) {
   const int64_t padded = round_up(n_len, PANEL);
   const int64_t groups = (padded + FMA_GROUP - 1) / FMA_GROUP;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -204,7 +253,7 @@ void fma_linear(const float* x, int64_t x_ld, int64_t m_len, const W* panels, in
         const int64_t rows = std::min(MR, m_len - m);
         fma_dispatch(rows, x + m * x_ld, x_ld, panels, k_len, col, cols / LANES, acc);
         write_rows(acc, FMA_GROUP, rows, std::min(cols, n_len - col), bias == nullptr ? nullptr : bias + col,
-                   out + m * n_len + col, n_len);
+                   act_gelu, out + m * n_len + col, n_len);
       }
     }
   });
@@ -250,7 +299,7 @@ constexpr int64_t DOT_MR = 6;
 
 template <typename T>
 void dot_linear(const bf16* x, int64_t x_ld, int64_t m_len, const bf16* panels, int64_t pairs, int64_t n_len,
-                const float* bias, T* out) {
+                const float* bias, bool act_gelu, T* out) {
   const int64_t n_panels = round_up(n_len, PANEL) / PANEL;
   const int64_t groups = (n_panels + GROUP_PANELS - 1) / GROUP_PANELS;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -268,8 +317,8 @@ void dot_linear(const bf16* x, int64_t x_ld, int64_t m_len, const bf16* panels, 
           case 5: dot_rows<5>(xm, x_ld, panels, pairs, p0, np, acc); break;
           default: dot_rows<6>(xm, x_ld, panels, pairs, p0, np, acc); break;
         }
-        write_rows(acc, GROUP, rows, std::min(np * PANEL, n_len - col), bias == nullptr ? nullptr : bias + col,
-                   out + m * n_len + col, n_len);
+        write_rows(acc, GROUP, rows, std::min(np * PANEL, n_len - col),
+                   bias == nullptr ? nullptr : bias + col, act_gelu, out + m * n_len + col, n_len);
       }
     }
   });
@@ -333,7 +382,7 @@ void amx_block(const bf16* x, int64_t x_ld, const bf16* panels, int64_t pairs, i
 // x: [Mp, Kp] bf16 with Mp a multiple of 16 (rows past m_len are zeros)
 template <typename T>
 void amx_linear(const bf16* x, int64_t x_ld, int64_t m_len, const bf16* panels, int64_t pairs, int64_t n_len,
-                const float* bias, T* out) {
+                const float* bias, bool act_gelu, T* out) {
   const int64_t n_panels = round_up(n_len, PANEL) / PANEL;
   const int64_t groups = (n_panels + GROUP_PANELS - 1) / GROUP_PANELS;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -355,7 +404,7 @@ void amx_linear(const bf16* x, int64_t x_ld, int64_t m_len, const bf16* panels, 
           default: amx_block<4>(xm, x_ld, panels, pairs, p0, acc); break;
         }
         write_rows(acc, GROUP, std::min<int64_t>(16, m_len - m), std::min(np * PANEL, n_len - col),
-                   bias == nullptr ? nullptr : bias + col, out + m * n_len + col, n_len);
+                   bias == nullptr ? nullptr : bias + col, act_gelu, out + m * n_len + col, n_len);
       }
     }
     _tile_release();
@@ -387,7 +436,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
 }
 
 at::Tensor row_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n_len) {
+                      int64_t n_len, bool act_gelu) {
   TORCH_CHECK(input.device().is_cpu() && packed.device().is_cpu(), "row_linear runs on CPU");
   TORCH_CHECK(input.scalar_type() == packed.scalar_type(), "row_linear: input ", input.scalar_type(),
               " but weight ", packed.scalar_type());
@@ -412,11 +461,11 @@ at::Tensor row_linear(const at::Tensor& input, const at::Tensor& packed, const c
   }
   if (input.scalar_type() == at::kFloat) {
     x = x.contiguous();
-    fma_linear(x.data_ptr<float>(), k_len, m_len, packed.data_ptr<float>(), k_len, n_len, bp, out.data_ptr<float>());
+    fma_linear(x.data_ptr<float>(), k_len, m_len, packed.data_ptr<float>(), k_len, n_len, bp, act_gelu, out.data_ptr<float>());
   } else if (!pairs_layout) {  // bf16 without bf16 instructions: widen x (exact), FMA over widened weights
     auto xf = x.to(at::kFloat).contiguous();
     fma_linear(xf.data_ptr<float>(), k_len, m_len, reinterpret_cast<const bf16*>(packed.data_ptr()), k_len, n_len,
-               bp, reinterpret_cast<bf16*>(out.data_ptr()));
+               bp, act_gelu, reinterpret_cast<bf16*>(out.data_ptr()));
   } else {
 #if defined(__AVX512BF16__)
     const int64_t kp = packed.size(1) * 2;
@@ -428,11 +477,11 @@ at::Tensor row_linear(const at::Tensor& input, const at::Tensor& packed, const c
     auto* ob = reinterpret_cast<bf16*>(out.data_ptr());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx) {
-      amx_linear(xb, kp, m_len, wb, kp / 2, n_len, bp, ob);
+      amx_linear(xb, kp, m_len, wb, kp / 2, n_len, bp, act_gelu, ob);
       return out.view(sizes);
     }
 #endif
-    dot_linear(xb, kp, m_len, wb, kp / 2, n_len, bp, ob);
+    dot_linear(xb, kp, m_len, wb, kp / 2, n_len, bp, act_gelu, ob);
 #else
     TORCH_CHECK(false, "row_linear: weight packed as bf16 pairs, but this build has no AVX512-BF16");
 #endif
@@ -455,7 +504,7 @@ std::string path_of(bool bfloat16) { return row_linear_path(bfloat16 ? at::kBFlo
 
 TORCH_LIBRARY_FRAGMENT(whisper_flash, m) {
   m.def("pack_linear(Tensor weight) -> Tensor");
-  m.def("row_linear(Tensor input, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("row_linear(Tensor input, Tensor packed, Tensor? bias, int n, bool gelu=False) -> Tensor");
   m.def("row_linear_path(bool bfloat16) -> str", &path_of);
 }
 

@@ -365,7 +365,8 @@ class RecipeRun:
                     continue
                 engine = WhisperFlashEngine(EngineOptions(
                     model=self.recipe.model, drafter=drafter, speculative=True, threads=self.threads,
-                    dtype=str(self.recipe.evaluate.get("dtype", "auto")), pace=False, **EVAL_MODES[mode]))
+                    dtype=str(self.recipe.evaluate.get("dtype", "auto"))).with_(pace=False, max_backoff=0,
+                                                                                **EVAL_MODES[mode]))
                 for corpus in todo:
                     clips = self.clips_of(corpus)
                     print(f"[recipe] evaluate {key} on {corpus.name} ({len(clips)} clips)", file=sys.stderr)

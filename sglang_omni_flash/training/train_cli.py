@@ -127,14 +127,15 @@ def _eval(args) -> int:
     from sglang_omni_flash.engine.cli import engine_line
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions
+    from sglang_omni_flash.flash.options import SpecOptions
     from sglang_omni_flash.training.cli import _clips
     from sglang_omni_flash.training.evaluate import evaluate_drafter, format_table
 
     clips = _clips(args)
     engine = WhisperFlashEngine(  # whole chains, every step a round: this measures the drafter, not the engine's cost controls
         EngineOptions(model=args.model, drafter=args.drafter, speculative=True, batch_size=args.batch_size,
-                      threads=args.threads, dtype=args.dtype, min_draft_prob=0.0, tree_nodes=0, pace=False,
-                      timestamps=args.timestamps)
+                      threads=args.threads, dtype=args.dtype, timestamps=args.timestamps,
+                      spec=SpecOptions(min_draft_prob=0.0, tree_nodes=0, pace=False, max_backoff=0))
     )
     print(f"eval-drafter: {engine_line(engine)}; drafter: {engine.drafter_source}", file=sys.stderr)
     with tqdm(total=len(clips), desc="eval", unit="clip", file=sys.stderr, disable=args.quiet) as bar:

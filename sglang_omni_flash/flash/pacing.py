@@ -109,3 +109,28 @@ def batch_min_path_prob(at_one: float, n: int) -> float:
         return 1.0
     r = at_one / (1.0 - at_one)
     return r * n / (1.0 + r * n)
+
+
+@dataclass
+class Backoff:
+    """One request's pause from drafting: after a round that accepted nothing, it drafts again only
+    after 1, 2, 4 .. `max_backoff` plain steps (the drafter is lost on this stretch of speech); an
+    accepted candidate resets it. Cost only, never output."""
+
+    max_backoff: int = 8
+    skip: int = 0  # steps left without drafting
+    length: int = 0  # the length of the next pause
+
+    def drafts_now(self) -> bool:
+        """Whether the request drafts at this step (a step it sits out counts down the pause)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def after_round(self, proposed: int, accepted: int) -> None:
+        if proposed and not accepted and self.max_backoff:
+            self.length = min(self.max_backoff, max(1, 2 * self.length))
+            self.skip = self.length
+        elif accepted:
+            self.length = 0
