@@ -20,7 +20,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH_NAME = "sglang_omni_flash_autoload.pth"
-PTH_SOURCE = os.path.join("sglang_omni_flash", "integration", PTH_NAME)
+PTH_SOURCE = os.path.join("sglang_omni_flash", "integration", "serve", PTH_NAME)
 
 
 class build_py_with_pth(build_py):

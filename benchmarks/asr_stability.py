@@ -69,7 +69,7 @@ FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 SAMPLE_RATE = 16000
 WINDOW_S = 30.0  # Whisper's window: the boundary clips sit either side of it
 DEFAULT_MAX_AUDIO_S = 3600.0  # sglang-omni's audio_chunking.max_total_audio_s (config/schema.py)
-# The decode worker's line when a request leaves it (spec_runner.forget); see the module docstring.
+# The decode worker's line when a request leaves it (worker.runner forget); see the module docstring.
 FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(\d+%\) target_calls=(\d+) "
                          r"kv_free=(\d+)(?: ids=\[([\d, ]*)\])?")
 SRT_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)$")

@@ -1,4 +1,4 @@
-"""The stage scheduler's idle wait (integration/idle_wait.py): it blocks on pending builds instead of
+"""The stage scheduler's idle wait (integration/serve/idle_wait.py): it blocks on pending builds instead of
 spinning, wakes as soon as one finishes, and leaves every other case to the stock method."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-from sglang_omni_flash.integration.idle_wait import POLL_S, install
+from sglang_omni_flash.integration.serve.idle_wait import POLL_S, install
 
 
 class FakeScheduler:

@@ -4,7 +4,7 @@ The dtype is chosen explicitly (`ServeOptions.dtype`), so this runs the same on 
 without AMX-BF16 (without it bf16 is emulated and slow, hence few short clips). In bf16 torch's
 attention changes argmaxes with the rows of a call; the server is exact here because the decode
 step and each verify row go through the same row-invariant attention and packed linears
-(integration/cpu_decode.py). The shipped base drafter must also be accepted in bf16: its identity
+(integration/worker/cpu_model.py). The shipped base drafter must also be accepted in bf16: its identity
 check must not depend on the dtype the target is served in.
 """
 
@@ -72,7 +72,7 @@ def spec(base_model_dir, clips, plain, tmp_path_factory):
 def test_both_stages_ran_in_bf16_with_the_cpu_decode_step(plain, spec):
     for *_, log in (plain, spec):
         assert "CPU decode step" in log and "torch.bfloat16" in log, log[-3000:]
-        assert "waits on request builds" in log, log[-3000:]  # integration/idle_wait.py
+        assert "waits on request builds" in log, log[-3000:]  # integration/serve/idle_wait.py
 
 
 def test_bf16_speculative_output_is_identical_to_bf16_plain(plain, spec, clips):

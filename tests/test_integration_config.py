@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("sglang_omni")
 
-PLUGIN_FACTORY = "sglang_omni_flash.integration.stages.create_whisper_flash_asr_executor"
+PLUGIN_FACTORY = "sglang_omni_flash.integration.serve.stages.create_whisper_flash_asr_executor"
 STOCK_FACTORY = "sglang_omni.models.whisper_asr.stages.create_sglang_whisper_asr_executor"
 SGL_OMNI = str(Path(sys.executable).with_name("sgl-omni"))
 
@@ -97,7 +97,7 @@ def test_interpreter_start_imports_nothing_heavy():
     proc = fresh_python("-c", "import sys; print(sorted(m for m in sys.modules if m.startswith(('sglang', 'torch'))))")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.strip() == "['sglang_omni_flash', 'sglang_omni_flash.integration', " \
-        "'sglang_omni_flash.integration._autoload']"
+        "'sglang_omni_flash.integration.serve', 'sglang_omni_flash.integration.serve._autoload']"
 
 
 def test_flag_resolves_to_the_plugin_config_and_reaches_the_factory(resolved):
@@ -105,12 +105,12 @@ def test_flag_resolves_to_the_plugin_config_and_reaches_the_factory(resolved):
     assert flag["config_cls"] == "WhisperFlashASRPipelineConfig"
     assert flag["factory_path"] == PLUGIN_FACTORY
     assert flag["kwargs"]["speculative"] == "whisper-flash"
-    assert flag["kwargs"]["speculative_num_draft_tokens"] == 6
     assert flag["kwargs"]["speculative_draft_model_path"] == "/some/drafter"
-    assert flag["kwargs"]["speculative_min_draft_prob"] == 0.3
-    assert flag["kwargs"]["speculative_drafter_int8"] is False
-    assert flag["kwargs"]["speculative_tree_nodes"] == 12
-    assert flag["kwargs"]["speculative_tree_min_prob"] == 0.1
+    # every SpecOptions field, by its own name: the factory makes the one SpecOptions of them
+    from sglang_omni_flash.flash.options import SpecOptions
+
+    assert SpecOptions(**flag["kwargs"]["speculative_options"]) == SpecOptions(
+        num_draft_tokens=6, min_draft_prob=0.3, drafter_int8=False, tree_nodes=12, tree_min_prob=0.1)
 
 
 def test_without_the_flag_the_factory_gets_exactly_the_stock_kwargs(resolved):
@@ -139,11 +139,11 @@ def test_the_metrics_route_comes_with_speculation_or_fallback(resolved):
 def test_yaml_config_cls_resolves_plugin_and_stock_classes(resolved):
     assert resolved["flash_yaml"]["config_cls"] == "WhisperFlashASRPipelineConfig"
     assert resolved["flash_yaml"]["kwargs"]["speculative"] == "whisper-flash"
-    assert resolved["flash_yaml"]["kwargs"]["speculative_num_draft_tokens"] == 4
-    assert resolved["flash_yaml"]["kwargs"]["speculative_min_draft_prob"] is None  # unset: by device
-    assert resolved["flash_yaml"]["kwargs"]["speculative_drafter_int8"] is None  # unset: by device
-    assert resolved["flash_yaml"]["kwargs"]["speculative_tree_nodes"] is None  # unset: by device
-    assert resolved["flash_yaml"]["kwargs"]["speculative_tree_min_prob"] is None
+    options = resolved["flash_yaml"]["kwargs"]["speculative_options"]
+    assert options["num_draft_tokens"] == 4
+    # unset: by the target's device and dtype (SpecOptions.resolved)
+    assert options["min_draft_prob"] is options["drafter_int8"] is options["tree_nodes"] is None
+    assert options["tree_min_prob"] is options["pace"] is None
     assert resolved["stock_yaml"]["config_cls"] == "WhisperASRPipelineConfig"
     assert resolved["stock_yaml"]["factory_path"] == STOCK_FACTORY
 

@@ -22,7 +22,7 @@ def test_english_only_prefix_has_no_language_or_task_token(tiny_en_model_dir, ba
     from sglang_omni.models.whisper_asr.request_builders import build_prefix_tokens
     from transformers import GenerationConfig, WhisperTokenizer
 
-    from sglang_omni_flash.integration.english_only import EnglishOnlyPrefix, is_english_only
+    from sglang_omni_flash.integration.serve.english_only import EnglishOnlyPrefix, is_english_only
 
     assert is_english_only(GenerationConfig.from_pretrained(tiny_en_model_dir))
     assert not is_english_only(GenerationConfig.from_pretrained(base_model_dir))

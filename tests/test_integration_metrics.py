@@ -1,4 +1,4 @@
-"""The decode worker's metrics export (integration/metrics.py) without a server: counting, the
+"""The decode worker's metrics export (integration/scoring/metrics.py) without a server: counting, the
 Prometheus text and the stage app's routes. The real server is checked in
 test_integration_spec_server.py (the routes relayed by sglang-omni agree with the worker's log)."""
 
@@ -22,7 +22,7 @@ def stats(proposed, accepted, calls):
 
 
 def test_requests_are_counted_once_and_aborts_apart():
-    from sglang_omni_flash.integration.metrics import SpecMetrics
+    from sglang_omni_flash.integration.scoring.metrics import SpecMetrics
 
     metrics = SpecMetrics(fake_runner())
     metrics.record("r1", stats(16, 6, 5), output_tokens=11)
@@ -40,7 +40,7 @@ def test_prometheus_text_and_stage_routes():
     from prometheus_client.parser import text_string_to_metric_families
     from starlette.testclient import TestClient
 
-    from sglang_omni_flash.integration.metrics import ROUTE_PREFIX, SpecMetrics, metrics_app
+    from sglang_omni_flash.integration.scoring.metrics import ROUTE_PREFIX, SpecMetrics, metrics_app
 
     metrics = SpecMetrics(fake_runner())
     metrics.record("r1", stats(16, 6, 5), output_tokens=11)

@@ -43,7 +43,7 @@ def test_a_wrong_explicit_drafter_is_refused_before_launch(base_model_dir, draft
 
 
 def test_auto_follows_the_shipped_drafters(base_model_dir):
-    from sglang_omni_flash.integration.drafter_source import resolve_drafter
+    from sglang_omni_flash.integration.serve.drafter_source import resolve_drafter
 
     try:
         shipped = resolve_drafter(str(base_model_dir), None)

@@ -458,9 +458,9 @@ def test_long_segments_are_the_engines_decode_of_each_chunk_offset_by_its_start(
 
     from sglang_omni_flash.engine.engine import WhisperFlashEngine
     from sglang_omni_flash.engine.options import EngineOptions
-    from sglang_omni_flash.integration.config import WhisperFlashASRPipelineConfig
-    from sglang_omni_flash.integration.segments import verbose_segments
-    from sglang_omni_flash.integration.timestamped_routes import MAX_RESUMES, Piece, resume_at
+    from sglang_omni_flash.integration.serve.config import WhisperFlashASRPipelineConfig
+    from sglang_omni_flash.integration.routes.segments import verbose_segments
+    from sglang_omni_flash.integration.routes.transcriptions import MAX_RESUMES, Piece, resume_at
 
     clip = next(c for c in clips if c.id == "reading-53s")
     chunking = WhisperFlashASRPipelineConfig(model_path=str(base_model_dir)).resolved_audio_chunking

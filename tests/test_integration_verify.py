@@ -1,4 +1,4 @@
-"""The decode step's and the verify pass's attention without a server (integration/cpu_decode.py,
+"""The decode step's and the verify pass's attention without a server (integration/worker/cpu_model.py,
 verify.py): encoder K/V in one ascending run of pool slots are read as a slice with attention
 bit-identical to the gathered rows, and a verify row's attention is the plain step's. The whole
 pass is checked against the plain server in test_integration_spec_server.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_omni_flash.integration import cpu_decode
-from sglang_omni_flash.integration.cpu_decode import EncoderKeys, attend_row, attend_rows, slot_run
+from sglang_omni_flash.integration.worker import cpu_model as cpu_decode
+from sglang_omni_flash.integration.worker.cpu_model import EncoderKeys, attend_row, attend_rows, slot_run
 
 
 def test_slot_run_slices_only_one_ascending_run():
@@ -40,7 +40,7 @@ def test_slice_and_gather_give_identical_attention(dtype):
 def test_a_verify_rows_attention_is_the_decode_steps(dtype):
     """verify_forward attends row by row over the keys a row sees (chain: its predecessors; tree: its
     ancestors), the decode step over the keys up to its position: the same call on the same values."""
-    from sglang_omni_flash.integration.verify import VerifyRow
+    from sglang_omni_flash.integration.worker.verify import VerifyRow
 
     g = torch.Generator().manual_seed(1)
     pool_k = torch.randn(64, 8, 64, generator=g).to(dtype)
@@ -64,7 +64,7 @@ def test_attend_rows_gives_each_verify_row_the_bits_of_its_decode_step(dtype, ke
     block (the encoder keys) gives the same bits as the pool's keys."""
     if not kernel:
         monkeypatch.setattr(cpu_decode.row_kernel, "available", lambda: False)
-    from sglang_omni_flash.integration.verify import VerifyRow
+    from sglang_omni_flash.integration.worker.verify import VerifyRow
 
     g = torch.Generator().manual_seed(4)
     pool_k = torch.randn(64, 8, 64, generator=g).to(dtype)
@@ -114,9 +114,9 @@ def test_encoder_keys_are_transposed_once_and_forgotten_when_their_slots_are_wri
 
 
 def test_tree_rows_have_depth_positions_and_ancestor_masks():
-    """A draft tree's verify row (spec_runner builds it from flash.tree.build_tree): node r sits at
+    """A draft tree's verify row (flash.rounds builds it with flash.tree.build_tree): node r sits at
     L + depth and sees the prefix, the anchor and its own ancestors; the anchor row is row 0."""
-    from sglang_omni_flash.integration.verify import VerifyRow
+    from sglang_omni_flash.integration.worker.verify import VerifyRow
 
     # nodes: 1 = child of the anchor, 2 = child of 1, 3 = child of the anchor
     tree = VerifyRow(row=0, encoder_len=1500, prefix_len=3, tokens=(50, 7, 8, 9), depths=(1, 2, 1), parents=(0, 1, 0))

@@ -125,7 +125,7 @@ def test_the_worker_rows_equal_sglang_omnis_timestamp_processor_step_by_step():
 
     from sglang_omni.models.whisper_asr.timestamp_logit_processor import WhisperTimestampLogitProcessor
 
-    from sglang_omni_flash.integration.timestamp_rows import TimestampRows
+    from sglang_omni_flash.integration.worker.timestamp_rows import TimestampRows
 
     rng = random.Random(3)
     torch.manual_seed(3)

@@ -1,10 +1,10 @@
-"""Segments of rendered timestamped text, placed at each chunk's offset (integration/segments.py)."""
+"""Segments of rendered timestamped text, placed at each chunk's offset (integration/routes/segments.py)."""
 
 from __future__ import annotations
 
 import zlib
 
-from sglang_omni_flash.integration.segments import (
+from sglang_omni_flash.integration.routes.segments import (
     compression_ratio, parse_chunk_segments, timestamp_token, verbose_segments,
 )
 

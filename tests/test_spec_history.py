@@ -1,15 +1,14 @@
-"""The decode worker's drafter history (integration/spec_runner.py): rows left pending (prefill,
+"""The decode worker's drafter history (integration/worker/history.py): rows left pending (prefill,
 rounds, stock steps) and projected later, all requests in one call, equal rows projected as they
 came."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 
 from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
-from sglang_omni_flash.integration.spec_runner import DraftState, WhisperFlashModelRunner
+from sglang_omni_flash.integration.worker.history import DraftState, DrafterMemories
 from test_drafter import tiny_target
 
 MAX_POSITIONS = 32
@@ -26,7 +25,7 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
     torch.manual_seed(1)
     drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
     n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
-    runner = SimpleNamespace(drafter=drafter, _device=torch.device("cpu"))
+    memories = DrafterMemories(drafter, MAX_POSITIONS, max_backoff=8)
     g = torch.Generator().manual_seed(3)
     prefill = [torch.randn(p, n_hist, d, generator=g) for p in (4, 7)]
     steps = [torch.randn(n, n_hist, d, generator=g) for n in (5, 2)]  # stock-step rows per request
@@ -36,10 +35,10 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
         for rows, more in zip(prefill, steps):
             state = empty_state(drafter)
             state.keep(rows)
-            WhisperFlashModelRunner._project_pending(runner, [state])
+            memories.project_pending([state])
             for row in more:  # projected as each step came
                 state.keep(row[None])
-                WhisperFlashModelRunner._project_pending(runner, [state])
+                memories.project_pending([state])
             one_by_one.append(state)
 
             state = empty_state(drafter)
@@ -48,7 +47,7 @@ def test_pending_rows_projected_together_equal_rows_projected_one_at_a_time():
                 state.keep(row[None])
             assert state.pending_rows == rows.shape[0] + more.shape[0]
             deferred.append(state)
-        WhisperFlashModelRunner._project_pending(runner, deferred)
+        memories.project_pending(deferred)
 
     for want, got, rows, more in zip(one_by_one, deferred, prefill, steps):
         assert got.length == want.length == rows.shape[0] + more.shape[0] and not got.pending

@@ -54,7 +54,7 @@ def judge(text: str, sum_logprob: float, n_tokens: int, no_speech_prob: float | 
 @dataclass(frozen=True)
 class FallbackPolicy:
     """The ASR stage's temperature fallback: openai-whisper's defaults, which its `--asr.` fields take
-    (``integration/config.py``); a None threshold is off."""
+    (``integration/serve/config.py``); a None threshold is off."""
 
     enabled: bool = True  # False: every window is answered as first decoded (no retry, no silence)
     temperatures: tuple[float, ...] = LADDER  # after 0, in order

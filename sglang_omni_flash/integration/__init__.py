@@ -1,19 +1,16 @@
 """SGLang-Omni integration: the only package that imports sglang / sglang-omni internals.
 
-Importing this package is cheap and imports nothing from sglang-omni; the submodules do:
+Importing this package is cheap and imports nothing from sglang-omni; its four folders do:
 
-* ``config``        -- ``WhisperFlashASRPipelineConfig``: the stock Whisper ASR pipeline plus
-                       ``--asr.speculative whisper-flash`` and its typed options.
-* ``registration``  -- puts that config class into sglang-omni's pipeline registry.
-* ``_autoload``     -- the lazy post-import hook that ``sglang_omni_flash_autoload.pth`` installs,
-                       so registration happens in every process without anyone calling it.
-* ``stages``        -- the stage factory the config points at (stock behaviour without
-                       ``speculative``).
-* ``engine_builder``  -- the plugin's ``WhisperASREngineBuilder`` subclasses (``.en`` prefix fix;
-                       the Whisper-Flash worker's drafter loading, hooks, runner, streaming).
-* ``spec_runner``     -- ``WhisperFlashModelRunner``: the speculative decode step.
-* ``verify``          -- the verify pass over the paged KV cache (new rows only).
-* ``streaming``       -- stream deltas for steps that emit several tokens.
+* ``serve/``    plugin registration and configuration: the ``.pth`` autoload hook, the registry
+                entry, ``WhisperFlashASRPipelineConfig`` (``--asr.speculative`` and its options),
+                the stage factory and the engine builders that assemble the ASR stage;
+* ``worker/``   the decode worker: ``WhisperFlashModelRunner`` executing ``flash.rounds`` inside
+                the stage, the drafter's memories, the verify pass and the row-invariant CPU model;
+* ``scoring/``  what temperature fallback judges (log-probabilities, ``<|nospeech|>``) and the
+                acceptance and fallback metrics;
+* ``routes/``   the HTTP side: the audio routes for long files, timestamped formats and fallback,
+                verbose_json segments, and the OpenAI error envelope.
 
-docs/integration.md describes the mechanism.
+docs/architecture.md shows how they fit; docs/integration.md describes the mechanism.
 """

@@ -71,7 +71,7 @@ def speculative_args(options: ServeOptions, model_dir: Path) -> tuple[list[str],
         return [], None, "speculation as given in the extra sgl-omni arguments"
     if options.speculative == "off":
         return [], None, "plain decoding (speculation off)"
-    from sglang_omni_flash.integration.drafter_source import resolve_drafter
+    from sglang_omni_flash.integration.serve.drafter_source import resolve_drafter
 
     try:
         drafter = resolve_drafter(str(model_dir), options.draft_model)

@@ -4,17 +4,22 @@ The options are fields of the ASR *stage* config, so the command line paths are
 ``--asr.speculative``, ``--asr.speculative_draft_model_path``,
 ``--asr.speculative_num_draft_tokens``, ``--asr.temperature_fallback`` ... (sglang-omni prefixes a
 dotted flag whose head is a stage name with ``stages.``; ``O/config/path.py`` compiles it against
-``stage_config_types["asr"]``). They reach the plugin's stage factory through
-``stage_factory_kwargs``: the speculative ones only when ``speculative`` is set, the fallback
-ones always (the factory takes them off before anything of sglang-omni's sees its kwargs).
+``stage_config_types["asr"]``). Every ``speculative_<name>`` field but the switch and the drafter
+path is a field of ``flash.options.SpecOptions``, made here from that dataclass (type and
+default) and validated by it, so no knob is spelled out twice. They reach the plugin's stage
+factory through ``stage_factory_kwargs``: the speculative ones (``speculative_options``, the
+SpecOptions fields as a dict) only when ``speculative`` is set, the fallback ones always (the
+factory takes them off before anything of sglang-omni's sees its kwargs).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from sglang_omni.config import StageConfig
 from sglang_omni.models.whisper_asr.config import (
@@ -23,40 +28,33 @@ from sglang_omni.models.whisper_asr.config import (
 )
 
 from sglang_omni_flash.flash.fallback import FallbackPolicy
-from sglang_omni_flash.integration.metrics import ROUTE_PREFIX as METRICS_ROUTE
+from sglang_omni_flash.flash.options import SpecOptions
+from sglang_omni_flash.integration.scoring.metrics import ROUTE_PREFIX as METRICS_ROUTE
 
 _FALLBACK = FallbackPolicy()  # openai-whisper's defaults
-FACTORY_PATH = "sglang_omni_flash.integration.stages.create_whisper_flash_asr_executor"
+FACTORY_PATH = "sglang_omni_flash.integration.serve.stages.create_whisper_flash_asr_executor"
 SPECULATIVE_ALGORITHMS = ("whisper-flash",)
 
 
-class WhisperFlashASRStageConfig(WhisperASRStageConfig):
-    """The stock Whisper ASR stage with the speculative-decoding switch."""
+SPEC_PREFIX = "speculative_"
+
+
+def _spec_fields() -> dict[str, tuple]:
+    """speculative_<name>: (type, default) for every SpecOptions field (its comments document them)."""
+    hints = typing.get_type_hints(SpecOptions)
+    return {SPEC_PREFIX + f.name: (hints[f.name], f.default) for f in dataclasses.fields(SpecOptions)}
+
+
+_StageWithSpecOptions = create_model("_StageWithSpecOptions", __base__=WhisperASRStageConfig, **_spec_fields())
+
+
+class WhisperFlashASRStageConfig(_StageWithSpecOptions):
+    """The stock Whisper ASR stage with the speculative-decoding switch and SpecOptions' knobs."""
 
     # None: plain greedy/sampled decoding, exactly sglang-omni's.
     speculative: Literal["whisper-flash"] | None = None
     # Drafter checkpoint directory; None: the shipped drafter that fits the target.
     speculative_draft_model_path: str | None = None
-    # Candidates proposed per round (the drafter's block size is the upper bound).
-    speculative_num_draft_tokens: int = Field(default=8, ge=1, le=64)
-    # Propose candidates only while the drafter's probability of its token is at least this
-    # (0: always the full block; None: by device and dtype, 0.2 on an fp32 CPU, else 0). Changes the cost of
-    # a step, never the output.
-    speculative_min_draft_prob: float | None = Field(default=None, ge=0.0, le=1.0)
-    # Run the drafter's per-round linears and head on int8 weights (CPU only; proposals and cost
-    # change, never the output). None: by device and dtype, on for an fp32 CPU.
-    speculative_drafter_int8: bool | None = None
-    # Per step, a round only where its measured cost is paid by the running acceptance, else a
-    # stock step (flash/pacing.py; cost only, never output). None: by device, on for CPU.
-    speculative_pace: bool | None = None
-    # Greedy steps verify a draft tree of up to this many nodes per request (the drafter's likeliest
-    # continuations sharing their prefixes; flash/tree.py) instead of one chain: more tokens per
-    # target pass, same output. 0: the paper's chain. None: by device and dtype, 8 on an fp32 CPU, 16 on
-    # a bf16 CPU, 0 on CUDA.
-    speculative_tree_nodes: int | None = Field(default=None, ge=0, le=32)
-    # Tree nodes whose path probability under the drafter is below this are left out (>= 1 node).
-    # None: by device and dtype (0.05 on an fp32 CPU, 0.02 on a bf16 CPU).
-    speculative_tree_min_prob: float | None = Field(default=None, ge=0.0, le=1.0)
 
     # OpenAI's temperature fallback (window_scores.py, flash/fallback.py): on the audio routes a
     # request at temperature 0 (or none) has each 30 s window judged, and one judged too repetitive
@@ -82,15 +80,22 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
 
     @model_validator(mode="after")
     def _options_need_the_switch(self) -> "WhisperFlashASRStageConfig":
-        default_k = type(self).model_fields["speculative_num_draft_tokens"].default
-        if self.speculative is None and (
-            self.speculative_draft_model_path is not None or self.speculative_num_draft_tokens != default_k
-        ):
+        spec = self.spec_options()  # SpecOptions validates its own fields (a ValueError names the bad one)
+        if self.speculative is None and (self.speculative_draft_model_path is not None or spec != SpecOptions()):
+            set_ = [SPEC_PREFIX + name for name in SpecOptions.names() if getattr(spec, name) != getattr(SpecOptions(), name)]
+            if self.speculative_draft_model_path is not None:
+                set_.insert(0, "speculative_draft_model_path")
             raise ValueError(
-                "asr.speculative_draft_model_path / asr.speculative_num_draft_tokens are set but "
-                "asr.speculative is not: add --asr.speculative whisper-flash (or drop them)"
+                f"{', '.join('asr.' + name for name in set_)} set but asr.speculative is not: "
+                "add --asr.speculative whisper-flash (or drop them)"
             )
         return self
+
+    def spec_options(self) -> SpecOptions:
+        try:
+            return SpecOptions(**{name: getattr(self, SPEC_PREFIX + name) for name in SpecOptions.names()})
+        except ValueError as exc:  # SpecOptions names the field without the prefix the flag has
+            raise ValueError(f"asr.{SPEC_PREFIX}* options: {exc}") from None
 
     def model_post_init(self, __context: object = None) -> None:
         # The worker's acceptance and fallback metrics are served by this stage's own process (metrics.py).
@@ -109,12 +114,7 @@ class WhisperFlashASRStageConfig(WhisperASRStageConfig):
         return {
             "speculative": self.speculative,
             "speculative_draft_model_path": self.speculative_draft_model_path,
-            "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
-            "speculative_min_draft_prob": self.speculative_min_draft_prob,
-            "speculative_drafter_int8": self.speculative_drafter_int8,
-            "speculative_pace": self.speculative_pace,
-            "speculative_tree_nodes": self.speculative_tree_nodes,
-            "speculative_tree_min_prob": self.speculative_tree_min_prob,
+            "speculative_options": dataclasses.asdict(self.spec_options()),
         }
 
     def fallback_options(self) -> dict[str, object]:

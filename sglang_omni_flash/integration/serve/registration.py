@@ -28,7 +28,7 @@ STOCK_KEY = f"{ARCHITECTURE}:sglang-omni"
 def register() -> None:
     from sglang_omni.models.registry import PIPELINE_CONFIG_REGISTRY
 
-    from sglang_omni_flash.integration.config import WhisperFlashASRPipelineConfig
+    from sglang_omni_flash.integration.serve.config import WhisperFlashASRPipelineConfig
 
     configs = PIPELINE_CONFIG_REGISTRY.configs
     current = configs.get(ARCHITECTURE)
@@ -42,12 +42,12 @@ def register() -> None:
 def is_registered() -> bool:
     from sglang_omni.models.registry import PIPELINE_CONFIG_REGISTRY
 
-    from sglang_omni_flash.integration.config import WhisperFlashASRPipelineConfig
+    from sglang_omni_flash.integration.serve.config import WhisperFlashASRPipelineConfig
 
     return PIPELINE_CONFIG_REGISTRY.configs.get(ARCHITECTURE) is WhisperFlashASRPipelineConfig
 
 
 def install_openai_errors() -> None:
-    from sglang_omni_flash.integration.openai_errors import install
+    from sglang_omni_flash.integration.routes.openai_errors import install
 
     install()

@@ -37,7 +37,7 @@ WATCHED = "sglang_omni.models.registry"  # the first hook's module (kept for cal
 def _run_quietly(module_name: str) -> None:
     hook = HOOKS[module_name]
     try:
-        from sglang_omni_flash.integration import registration
+        from sglang_omni_flash.integration.serve import registration
 
         getattr(registration, hook)()
     except Exception:  # never break the host process; the stock behaviour stays

@@ -10,13 +10,13 @@ and scale the log-probabilities by the temperature. So the worker scores what it
   - each token the sampler picks is scored on the logits exactly as the sampler saw them
     (logit bias, suppress tokens and timestamp rules applied, no temperature), through a
     wrapper on the sampler's own preprocessing;
-  - the speculative step adds the scores of its accepted tokens and correction from the rows
-    that verified them (``add_verified``, rows ``[0, *path]``);
+  - the speculative step adds the scores of the tokens it emits, from the block rows that
+    verified them (``flash.rounds.Settled.logprobs``, the same fp32 log-softmax as the sampler's);
   - ``<|nospeech|>`` comes from the final decoder norm's output at the SOT row of the prefill
     (openai-whisper: raw head logits there, no rules).
 * ``window_report`` turns a finished request's score into the verdict dict that rides back to
   the HTTP route in the result payload (``omni_rollout["whisper_flash"]``); the route decides to
-  decode the window again at ``next_temperature`` (``timestamped_routes``).
+  decode the window again at ``next_temperature`` (``routes.transcriptions``).
 
 Scores are bookkeeping only: no token, slot or draft depends on them.
 """
@@ -158,12 +158,6 @@ class ScoringRunnerMixin:
             for request, value in zip(requests, picked):
                 self.scores.add(request.request_id, [value])
         return ids
-
-    def add_verified(self, rid: str, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
-        """Scores of a speculative step's tokens: token j was verified by ``logits[rows[j]]``."""
-        picked = torch.log_softmax(logits[rows], dim=-1).gather(
-            1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-        self.scores.add(rid, picked.tolist())
 
 
 class ScoringModelRunner(ScoringRunnerMixin, ModelRunner):

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from sglang_omni_flash.kernels.linear import row_copy
 from sglang_omni_flash.kernels import attention as row_kernel
 
-logger = logging.getLogger("sglang_omni_flash.cpu_decode")
+logger = logging.getLogger("sglang_omni_flash.cpu_model")
 
 
 def attend_row(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

@@ -1,7 +1,7 @@
 """The plugin's Whisper ASR engine builders (subclasses of sglang-omni's ``WhisperASREngineBuilder``).
 
 * ``WhisperFlashEngineBuilder``      the stock builder with the ``.en`` prompt fix and, on a CPU, the
-  decode step of ``cpu_decode`` (packed linears, the row-invariant attention kernel); built by
+  CPU model of ``worker.cpu_model`` (row-invariant linears and attention, the encoder one window per call); built by
   ``stages.create_whisper_flash_asr_executor`` on a CPU and for ``.en`` checkpoints (multilingual
   checkpoints on CUDA without ``--asr.speculative`` use sglang-omni's factory).
   Its scheduler waits on request builds instead of polling (``idle_wait``).
@@ -23,8 +23,8 @@ from sglang_omni.models.whisper_asr.engine_builder import WhisperASREngineBuilde
 from sglang_omni.models.whisper_asr.stages import create_sglang_whisper_asr_executor
 
 from sglang_omni_flash.errors import UserError
-from sglang_omni_flash.hardware import cpu_flags, fast_bf16_matmul
-from sglang_omni_flash.integration.english_only import EnglishOnlyPrefix, is_english_only
+from sglang_omni_flash.flash.options import SpecOptions
+from sglang_omni_flash.integration.serve.english_only import EnglishOnlyPrefix, is_english_only
 
 # Arguments of the stock factory that go to `.build(...)`; all others go to the builder.
 BUILD_ARGS = ("model_path", "device", "gpu_id", "dtype", "server_args_overrides")
@@ -34,7 +34,7 @@ logger = logging.getLogger("sglang_omni_flash.spec")
 
 class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
     def __init__(self, *, fallback=None, **stock):
-        from sglang_omni_flash.integration.metrics import FallbackMetrics
+        from sglang_omni_flash.integration.scoring.metrics import FallbackMetrics
         from sglang_omni_flash.flash.fallback import FallbackPolicy
 
         super().__init__(**stock)
@@ -43,14 +43,14 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
         self.runner = None
 
     def build(self, *args, **kwargs):
-        from sglang_omni_flash.integration.idle_wait import install as wait_on_builds
+        from sglang_omni_flash.integration.serve.idle_wait import install as wait_on_builds
 
         scheduler = super().build(*args, **kwargs)
         wait_on_builds(scheduler)
         runner, fallback = self.runner, self.fallback_metrics
 
         def http_app():  # the stage serves it under the http_routes its config lists (metrics.py)
-            from sglang_omni_flash.integration.metrics import metrics_app
+            from sglang_omni_flash.integration.scoring.metrics import metrics_app
 
             return metrics_app(getattr(runner, "metrics", None), fallback=fallback)
 
@@ -59,12 +59,12 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
 
     def setup_model(self, *, model_worker, **kwargs) -> None:
         super().setup_model(model_worker=model_worker, **kwargs)
-        from sglang_omni_flash.integration.cpu_decode import install
+        from sglang_omni_flash.integration.worker.cpu_model import install
 
         install(model_worker.model_runner.model)  # CPU only (a no-op elsewhere)
 
     def make_model_runner(self, model_worker, output_proc):
-        from sglang_omni_flash.integration.window_scores import ScoringModelRunner
+        from sglang_omni_flash.integration.scoring.window_scores import ScoringModelRunner
 
         self.runner = ScoringModelRunner(model_worker, output_proc)
         self._init_scoring(self.runner)
@@ -90,7 +90,7 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
     def _reporting(self, stock_result_adapter):
         """The stock result adapter plus the window's fallback verdict (``window_scores``), carried
         to the HTTP route in ``omni_rollout`` (which reaches ``CompletionResult.omni_rollout``)."""
-        from sglang_omni_flash.integration.window_scores import ATTEMPT_PARAM, REPORT_KEY, window_report
+        from sglang_omni_flash.integration.scoring.window_scores import ATTEMPT_PARAM, REPORT_KEY, window_report
 
         tokenizer, policy, metrics = self.tokenizer, self.fallback, self.fallback_metrics
         timestamp_begin = int(self.generation_config.no_timestamps_token_id) + 1
@@ -133,48 +133,21 @@ class TargetView:
     (``lm_head is model.decoder.embed_tokens``) and has no ``get_output_embeddings``.
     """
 
-    def __init__(self, model, dtype=None):
+    def __init__(self, model):
         self.config = model.config
         self.model = model.model
-        weight = model.lm_head.weight
-        if dtype is not None and dtype != weight.dtype:  # a detached copy, for a drafter in another dtype
-            weight = weight.detach().to(dtype)
-            embed = SimpleNamespace(weight=weight)
-            self.model = SimpleNamespace(decoder=SimpleNamespace(embed_tokens=embed))
-        self._head = SimpleNamespace(weight=weight, bias=None)
+        self._head = SimpleNamespace(weight=model.lm_head.weight, bias=None)
 
     def get_output_embeddings(self):
         return self._head
 
 
-def drafter_dtype(target: TargetView):
-    """The drafter's dtype: the target's, except bf16 for an fp32 target on a CPU with bf16 matmul
-    instructions (an AVX512-BF16 CPU without AMX, where the target stays fp32; measured there: the
-    drafter head ~3x faster in bf16).
-
-    Drafts are only proposals (the target verifies every token in its own dtype), so the
-    drafter's precision changes the acceptance rate at most, never the output.
-    """
-    import torch
-
-    weight = target.model.decoder.embed_tokens.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and fast_bf16_matmul(cpu_flags()):
-        return torch.bfloat16
-    return weight.dtype
-
-
 class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
-    def __init__(self, *, drafter_dir: str, num_draft_tokens: int = 8, min_draft_prob: float | None = None,
-                 drafter_int8: bool | None = None, tree_nodes: int | None = None,
-                 tree_min_prob: float | None = None, pace: bool | None = None, **stock):
+    def __init__(self, *, drafter_dir: str, spec: SpecOptions, **stock):
         stock["enable_async_decode"] = False
         super().__init__(**stock)
         self.drafter_dir = str(drafter_dir)
-        self.num_draft_tokens = int(num_draft_tokens)
-        self.min_draft_prob = min_draft_prob  # None: by the drafter's device (the runner decides)
-        self.drafter_int8 = drafter_int8  # None: by the drafter's device and dtype (on for an fp32 CPU)
-        self.tree_nodes, self.tree_min_prob = tree_nodes, tree_min_prob  # None: by device (the runner)
-        self.pace = pace  # None: by device (the runner)
+        self.spec = spec  # None fields: by the target's device and dtype (SpecOptions.resolved)
         self.drafter = None
         self.tap = None
         self.step_tokens: dict[str, list[int]] = {}  # shared by the runner and the stream builder
@@ -193,18 +166,14 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
         from sglang_omni_flash.flash.checkpoint import load_drafter
 
         target = TargetView(model)
-        dtype = drafter_dtype(target)
-        self.drafter = load_drafter(self.drafter_dir, target, dtype=dtype)
-        if dtype != target.model.decoder.embed_tokens.weight.dtype:
-            self.drafter.bind_target(TargetView(model, dtype=dtype))  # head/embedding copies in the drafter's dtype
+        weight = model.lm_head.weight  # the drafter runs in the target's dtype, as the engine's does
+        self.drafter = load_drafter(self.drafter_dir, target, dtype=weight.dtype)
         self.drafter.requires_grad_(False)
-        from sglang_omni_flash.engine.options import default_drafter_int8
-
-        device_type = self.drafter.mask.device.type
-        self.drafter.set_cpu_int8(default_drafter_int8(device_type, dtype) if self.drafter_int8 is None else self.drafter_int8)
-        logger.info("whisper-flash: drafter %s (%d parameters, %d draft tokens, history layers %s, int8 %s)",
-                    self.drafter_dir, self.drafter.num_parameters(), self.num_draft_tokens,
-                    self.drafter.config.history_layers, self.drafter.int8_inference)
+        spec = self.spec.resolved(weight.device.type, weight.dtype)
+        self.drafter.set_cpu_int8(spec.drafter_int8)
+        logger.info("whisper-flash: drafter %s (%d parameters, history layers %s, int8 %s); %s",
+                    self.drafter_dir, self.drafter.num_parameters(), self.drafter.config.history_layers,
+                    self.drafter.int8_inference, spec)
 
     def before_memory_pool(self, *, model_worker, **kwargs) -> None:
         super().before_memory_pool(model_worker=model_worker, **kwargs)
@@ -214,25 +183,23 @@ class WhisperFlashSpecEngineBuilder(WhisperFlashEngineBuilder):
 
     def setup_model(self, *, model_worker, **kwargs) -> None:
         super().setup_model(model_worker=model_worker, **kwargs)
-        from sglang_omni_flash.integration.spec_runner import HistoryTap
+        from sglang_omni_flash.integration.worker.history import HistoryTap
 
         model = model_worker.model_runner.model
         self._load_drafter(model)
         self.tap = HistoryTap(model, self.drafter.config.history_layers)
 
     def make_model_runner(self, model_worker, output_proc):
-        from sglang_omni_flash.integration.spec_runner import WhisperFlashModelRunner
+        from sglang_omni_flash.integration.worker.runner import WhisperFlashModelRunner
 
         self.runner = WhisperFlashModelRunner(model_worker, output_proc, drafter=self.drafter, tap=self.tap,
-                                              num_draft_tokens=self.num_draft_tokens,
-                                              min_draft_prob=self.min_draft_prob, tree_nodes=self.tree_nodes,
-                                              tree_min_prob=self.tree_min_prob, pace=self.pace)
+                                              spec=self.spec)
         self.runner.step_tokens = self.step_tokens
         self._init_scoring(self.runner)
         return self.runner
 
     def extra_scheduler_kwargs(self):
-        from sglang_omni_flash.integration.streaming import MultiTokenStreamOutputBuilder
+        from sglang_omni_flash.integration.worker.streaming import MultiTokenStreamOutputBuilder
 
         kwargs = dict(super().extra_scheduler_kwargs())
         kwargs["stream_output_builder"] = MultiTokenStreamOutputBuilder(

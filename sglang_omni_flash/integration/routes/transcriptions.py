@@ -40,9 +40,9 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
-from sglang_omni_flash.integration.segments import parse_chunk_segments, verbose_segments
+from sglang_omni_flash.integration.routes.segments import parse_chunk_segments, verbose_segments
 
-logger = logging.getLogger("sglang_omni_flash.timestamped_routes")
+logger = logging.getLogger("sglang_omni_flash.transcriptions")
 
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
 TRANSLATIONS = "/v1/audio/translations"
@@ -107,7 +107,7 @@ class _ChunkClient:
         self._retrying: dict[str, str] = {}  # chunk request id -> the id of its retry in flight
 
     async def completion(self, gen_req, request_id: str):
-        from sglang_omni_flash.integration.window_scores import ATTEMPT_PARAM, REPORT_KEY
+        from sglang_omni_flash.integration.scoring.window_scores import ATTEMPT_PARAM, REPORT_KEY
 
         params = dict(gen_req.extra_params or {})
         params["task"] = self._task
@@ -179,7 +179,7 @@ def _tokenizer(model_path: str):
 
 def _token_encoder():
     """(encode, timestamp_begin) of the served model's tokenizer, or (None, None) without one."""
-    from sglang_omni_flash.integration.config import served_model_path
+    from sglang_omni_flash.integration.serve.config import served_model_path
 
     path = served_model_path()
     if path is None:
@@ -338,7 +338,7 @@ def install_on(app: FastAPI) -> FastAPI:
 
     def falls_back(form) -> bool:
         """openai-whisper's temperature fallback: at temperature 0 (or none), when the stage has it on."""
-        from sglang_omni_flash.integration.config import served_fallback
+        from sglang_omni_flash.integration.serve.config import served_fallback
 
         return not form.temperature and served_fallback()
 

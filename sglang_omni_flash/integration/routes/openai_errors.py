@@ -301,9 +301,9 @@ def install() -> None:
         except Exception:  # serve with stock errors rather than not at all
             logger.warning("sglang-omni-flash: could not install the OpenAI error envelope", exc_info=True)
         try:
-            from sglang_omni_flash.integration import timestamped_routes
+            from sglang_omni_flash.integration.routes import transcriptions
 
-            timestamped_routes.install_on(app)
+            transcriptions.install_on(app)
         except Exception:  # serve the stock routes rather than not at all
             logger.warning("sglang-omni-flash: could not install the timestamped routes", exc_info=True)
         return app

@@ -12,10 +12,10 @@ attends with exactly the new rows:
 * cross-attention  each new row attends to the request's cached encoder K/V,
                    ``req_to_token[row, 0 : enc]`` in the cross layer planes (written at prefill).
 
-The rows of a request go through ``cpu_decode.attend_rows`` together, each over exactly the keys a
+The rows of a request go through ``cpu_model.attend_rows`` together, each over exactly the keys a
 plain decode step at its position attends to, and the linears and head through the same
 row-invariant copies as the decode step (``row_copy``): a verified row has the bits of that plain
-step (cpu_decode.py explains why).
+step (cpu_model.py explains why).
 
 It also returns the residual stream after the drafter's history layers (before the final
 layer norm), so no hooks are needed on this path. Pure torch over sglang's pool tensors:
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from sglang_omni_flash.kernels.linear import row_copy
-from sglang_omni_flash.integration.cpu_decode import EncoderKeys, attend_rows, cross_keys, encoder_run
+from sglang_omni_flash.integration.worker.cpu_model import EncoderKeys, attend_rows, cross_keys, encoder_run
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,6 @@ def verify_forward(model, kv_pool, req_to_token: Tensor, rows: list[VerifyRow],
         if index in history_layers:
             captured[index] = h
     hidden = decoder.layer_norm(h)
-    logits = lin(model.lm_head, hidden)  # the row-invariant head, as the decode step's (cpu_decode)
+    logits = lin(model.lm_head, hidden)  # the row-invariant head, as the decode step's (cpu_model)
     history = torch.stack([captured[i] for i in history_layers], dim=-2)  # [N, n_hist, d]
     return VerifyOutput(logits=logits, history=history, offsets=offsets)
