@@ -571,4 +571,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sglang_omni_flash.errors import run_script
+
+    sys.exit(run_script(main, "asr_server_bench.py"))

@@ -63,4 +63,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from sglang_omni_flash.errors import run_script
+
+    raise SystemExit(run_script(main, "draft_cut_analysis.py"))

@@ -70,4 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sglang_omni_flash.errors import run_script
+
+    raise SystemExit(run_script(main, "drafter_input_probe.py"))

@@ -276,4 +276,6 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sglang_omni_flash.errors import run_script
+
+    sys.exit(run_script(main, "peers.py"))

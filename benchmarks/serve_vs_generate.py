@@ -127,4 +127,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sglang_omni_flash.errors import run_script
+
+    sys.exit(run_script(main, "serve_vs_generate.py"))

@@ -85,4 +85,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sglang_omni_flash.errors import run_script
+
+    sys.exit(run_script(main, "train_smoke_gpu.py"))

@@ -53,8 +53,11 @@ class Tally:
 
 def target_wer(references: list[str], hypotheses: list[str]) -> float | None:
     """Corpus WER of the target's transcripts; None when no clip has a reference text."""
-    import jiwer
     from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    from sglang_omni_flash.errors import require_extra
+
+    jiwer = require_extra("jiwer")
 
     normalize = EnglishTextNormalizer({})
     pairs = [(normalize(r), normalize(h)) for r, h in zip(references, hypotheses)]

@@ -543,8 +543,9 @@ class _CsvLog:
 
 def plot_curve(csv_path: Path, png_path: Path) -> None:
     """Training loss and validation acceptance against step (matplotlib, headless)."""
-    import matplotlib
+    from sglang_omni_flash.errors import require_extra
 
+    matplotlib = require_extra("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
