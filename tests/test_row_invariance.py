@@ -215,7 +215,9 @@ def test_the_row_checks_catch_a_linear_whose_sums_depend_on_the_row_count(base, 
     faulty = RowCountDependentLinear(fc2.weight, fc2.bias)
     x = rows_for(fc2, dtype)
     bad = row_mismatches(faulty, x, SOME_ROWS)
-    assert bad and all(int(call.split()[-1]) > 32 for call, _ in bad if call.startswith("first"))
+    # caught where the fault acts (past 32 rows); plain F.linear may differ below that too (MKL's
+    # one-row fp32 gemv sums in another order than its gemm)
+    assert any(call.startswith("first") and int(call.split()[-1]) > 32 for call, _ in bad)
 
 
 def test_the_verify_check_catches_a_linear_whose_sums_depend_on_the_row_count(model, monkeypatch):
