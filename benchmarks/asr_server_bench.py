@@ -571,6 +571,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "asr_server_bench.py"))
+    sys.exit(run_command(main, "asr_server_bench.py"))

@@ -175,6 +175,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "cuda_check.py"))
+    sys.exit(run_command(main, "cuda_check.py"))

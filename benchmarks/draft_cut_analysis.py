@@ -63,6 +63,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    raise SystemExit(run_script(main, "draft_cut_analysis.py"))
+    raise SystemExit(run_command(main, "draft_cut_analysis.py"))

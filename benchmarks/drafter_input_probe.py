@@ -70,6 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    raise SystemExit(run_script(main, "drafter_input_probe.py"))
+    raise SystemExit(run_command(main, "drafter_input_probe.py"))

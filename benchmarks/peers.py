@@ -276,6 +276,6 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "peers.py"))
+    sys.exit(run_command(main, "peers.py"))

@@ -98,6 +98,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "round_costs.py"))
+    sys.exit(run_command(main, "round_costs.py"))

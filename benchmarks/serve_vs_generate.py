@@ -127,6 +127,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "serve_vs_generate.py"))
+    sys.exit(run_command(main, "serve_vs_generate.py"))

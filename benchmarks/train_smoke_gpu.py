@@ -85,6 +85,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sglang_omni_flash.errors import run_script
+    from sglang_omni_flash.errors import run_command
 
-    sys.exit(run_script(main, "train_smoke_gpu.py"))
+    sys.exit(run_command(main, "train_smoke_gpu.py"))

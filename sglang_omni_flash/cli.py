@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from sglang_omni_flash.errors import UserError
+from sglang_omni_flash.errors import run_command
 
 # module path -> each module exposes `register(subparsers)`; a sub-command's handler is
 # stored as `func` and returns a process exit code.
@@ -39,14 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"whisper-flash {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: args.func(args), f"whisper-flash {args.command}")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ def require_extra(module: str, extra: str = "bench"):
         raise UserError(f"{module} is not installed: pip install 'sglang-omni-flash[{extra}]'") from None
 
 
-def run_script(main, name: str) -> int:
-    """A benchmark script's exit status: `main()`, with a user's mistake (a bad manifest line, an
-    unknown model) printed as one line and exit 2, as the `whisper-flash` commands do."""
+def run_command(main, name: str) -> int:
+    """The exit status of a command (`whisper-flash ...` or a benchmark script): `main()`, with a
+    user's mistake (a bad manifest line, an unknown model) printed as one line naming the command,
+    and exit status 2; never a traceback."""
     import sys
 
     try:

@@ -40,6 +40,21 @@ def test_clips(test_set_paths):
     return read_manifest(test_set_paths.combined)
 
 
+def torch_threads(n: int):
+    """A module-scoped autouse fixture that runs the module's tests on n torch threads."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def threads():
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        yield
+        torch.set_num_threads(before)
+
+    return threads
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

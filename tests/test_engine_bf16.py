@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import torch_threads
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.flash.options import SpecOptions
@@ -26,12 +27,7 @@ K = 8
 CLIPS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+two_threads = torch_threads(2)
 
 
 class Bf16Case:

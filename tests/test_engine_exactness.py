@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from conftest import torch_threads
 from sglang_omni_flash.engine.engine import WhisperFlashEngine
 from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.flash.options import SpecOptions
@@ -29,13 +30,7 @@ from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
 K = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores shared by everything: one torch thread is faster and steadier here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread = torch_threads(1)  # two cores shared by everything: one torch thread is faster and steadier here
 
 
 class Case:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import torch_threads
 from row_bits import MAX_ROWS, SOME_ROWS, RowCountDependentLinear, row_mismatches
 from sglang_omni_flash.kernels import linear as row_linear
 from sglang_omni_flash.kernels.attention import available as attention_kernel, row_attention
@@ -32,12 +33,7 @@ pytestmark = pytest.mark.skipif(not (row_linear.available() and attention_kernel
                                 reason="no C++ compiler for the row-invariant kernels")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+two_threads = torch_threads(2)
 
 
 @pytest.fixture(scope="module")
