@@ -77,6 +77,20 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | None 
     return DtypeChoice("float32", "auto: CPU has no AMX-BF16")
 
 
+def choose_device(requested: str) -> str:
+    """"auto" -> "cuda" where torch sees a CUDA device, else "cpu"; "cpu" / "cuda" as asked
+    (ValueError for CUDA that is not there, or an unknown name). The one device rule of every command."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested not in ("cpu", "cuda") and not requested.startswith("cuda:"):
+        raise ValueError(f"unknown device {requested!r} (auto, cpu or cuda)")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {requested} requested, but no CUDA device is available")
+    return requested
+
+
 def cpu_summary(flags: frozenset[str] | None = None) -> str:
     """'cpu flags amx_bf16 avx512f ...' (the reported ones present) or 'cpu flags: none of ...'."""
     flags = cpu_flags() if flags is None else flags

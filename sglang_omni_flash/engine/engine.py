@@ -31,7 +31,7 @@ from sglang_omni_flash.engine.prompt import SpecialTokens, build_prompt, detect_
 from sglang_omni_flash.engine.speculative import DecodeResult, Proposal, RoundInputs, SpeculativeDecoder
 from sglang_omni_flash.engine.target import WhisperTarget
 from sglang_omni_flash.errors import UserError
-from sglang_omni_flash.hardware import DtypeChoice, choose_dtype
+from sglang_omni_flash.hardware import DtypeChoice, choose_device, choose_dtype
 
 # cache slots past the decoder window: padded rows of a verify block, and draft-tree nodes (slot
 # t + row, see flash.tree) near the end of the window, write there
@@ -40,13 +40,8 @@ SLACK = 40
 
 def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype, DtypeChoice]:
     """(device, dtype, why that dtype) for `options`; dtype "auto" follows `hardware.choose_dtype`."""
-    if options.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(options.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError("device cuda requested, but no CUDA device is available")
     try:
+        device = torch.device(choose_device(options.device))
         choice = choose_dtype(options.dtype, device.type)
     except ValueError as exc:
         raise UserError(str(exc)) from None

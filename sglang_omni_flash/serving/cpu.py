@@ -22,15 +22,6 @@ from sglang_omni_flash.kernels.build import build_library
 STUB_SONAME = "libcuda.so.1"
 
 
-def cuda_available() -> bool:
-    """True on a machine with a usable CUDA device (then no CPU workaround is applied)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return False
-    return bool(torch.cuda.is_available())
-
-
 def _stub_source() -> bytes:
     return resources.files("sglang_omni_flash").joinpath("csrc/libcuda_stub.c").read_bytes()
 

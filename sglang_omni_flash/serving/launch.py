@@ -22,7 +22,7 @@ from typing import Literal
 import yaml
 
 from sglang_omni_flash.errors import UserError
-from sglang_omni_flash.hardware import choose_dtype
+from sglang_omni_flash.hardware import choose_device, choose_dtype
 from sglang_omni_flash.paths import build_dir
 from sglang_omni_flash.serving import cpu
 
@@ -119,7 +119,7 @@ def plan_launch(options: ServeOptions) -> LaunchPlan:
     from sglang_omni_flash.models.embedded import resolve_model
 
     model_dir = resolve_model(options.model)
-    on_cpu = options.device == "cpu" or (options.device == "auto" and not cpu.cuda_available())
+    on_cpu = options.device == "cpu" or (options.device == "auto" and choose_device("auto") == "cpu")
     argv = [sgl_omni_executable(), "serve"]
     config_file = None
     try:

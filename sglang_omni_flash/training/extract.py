@@ -138,7 +138,7 @@ class TeacherExtractor:
         self.engine = WhisperFlashEngine(
             EngineOptions(
                 model=options.model, speculative=False, batch_size=options.batch_size,
-                language=options.language, device="cpu" if not torch.cuda.is_available() else "auto",
+                language=options.language, device="auto",
                 threads=options.threads, dtype=options.dtype, timestamps=options.timestamps,
             )
         )
@@ -388,7 +388,7 @@ def recompute_encoders(utterances: list[TeacherUtterance], index: dict, batch_si
         raise UserError(f"the audio of {len(missing)} teacher utterances is gone (e.g. {missing[0]}): "
                         "restore it or extract again")
     engine = WhisperFlashEngine(EngineOptions(model=index["model"], speculative=False, dtype=index["dtype"],
-                                              device="cpu" if not torch.cuda.is_available() else "auto"))
+                                              device="auto"))
     bar = tqdm(total=len(todo), desc="encode", unit="clip", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     with bar:
         for start in range(0, len(todo), batch_size):

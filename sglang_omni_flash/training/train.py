@@ -119,10 +119,12 @@ class Trainer:
         self.progress = progress
         if options.threads:
             torch.set_num_threads(options.threads)
-        if options.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(options.device)
+        from sglang_omni_flash.hardware import choose_device
+
+        try:
+            self.device = torch.device(choose_device(options.device))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         self.out = Path(options.out)
         self.out.mkdir(parents=True, exist_ok=True)
 

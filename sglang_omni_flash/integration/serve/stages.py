@@ -20,9 +20,9 @@ def _on_cpu(stock_kwargs: dict) -> bool:
     device = str(stock_kwargs.get("device") or "")
     if device:
         return device.startswith("cpu")
-    from sglang_omni_flash.serving.cpu import cuda_available
+    from sglang_omni_flash.hardware import choose_device
 
-    return not cuda_available()
+    return choose_device("auto") == "cpu"
 
 
 def create_whisper_flash_asr_executor(
