@@ -59,8 +59,7 @@ def measure(model: str, dtype: str, batch: int, clips) -> dict:
         for int8 in (False, True):
             engine.drafter.set_cpu_int8(int8)
             out[f"drafter_ms{'_int8' if int8 else ''}"] = median_ms(lambda: proposer.propose(inputs))
-        engine.drafter.set_cpu_int8(engine.options.drafter_int8 if engine.options.drafter_int8 is not None
-                                    else engine.device.type == "cpu")
+        engine.drafter.set_cpu_int8(engine.spec.drafter_int8)
         states = torch.randn(batch, 9, len(engine.drafter.config.history_layers), engine.target.d_model,
                              dtype=engine.dtype)
         out["history_ms"] = median_ms(lambda: (  # keep 9 positions' states, then project them

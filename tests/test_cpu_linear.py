@@ -1,4 +1,5 @@
-"""flash/cpu_linear.py: the packed and transposed CPU kernels compute the product F.linear computes."""
+"""flash/cpu_linear.py: the drafter's packed (row-invariant kernel) and int8 CPU linears compute the product
+F.linear computes."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_omni_flash.flash.cpu_linear import FrozenLinear, frozen_copy, tensor_state
+from sglang_omni_flash.kernels import linear as row_linear
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +20,15 @@ SHAPES = [(64,), (1, 64), (1, 1, 64), (3, 64), (2, 9, 64), (40, 64), (3, 64, 5)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("single_row", [False, True])
-def test_same_outputs_as_linear_in_every_shape(head, shape, single_row):
+def test_same_outputs_as_linear_in_every_shape(head, shape):
     x = torch.randn(*shape)
     if len(shape) == 3 and shape[-1] == 5:
         x = x.transpose(1, 2)  # a strided input: [3, 5, 64]
     bias = torch.randn(head.shape[0])
     with torch.inference_mode():
         for b in (None, bias):
-            lin = FrozenLinear(head, b, single_row=single_row)
-            assert lin.packed is not None or not torch.backends.mkldnn.is_available()
+            lin = FrozenLinear(head, b)
+            assert lin.packed is not None or not row_linear.available()
             got, want = lin(x), F.linear(x, head, b)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -45,7 +46,7 @@ def test_gradients_reach_the_input_through_linear(head):
 
 def test_other_dtypes_fall_back_to_linear(head):
     lin = FrozenLinear(head.double())
-    assert lin.packed is None and lin.transposed is None
+    assert lin.packed is None
     x = torch.randn(3, 64, dtype=torch.double)
     with torch.inference_mode():
         assert torch.equal(lin(x), F.linear(x, head.double()))
@@ -58,10 +59,6 @@ def test_module_copies_are_made_once_and_follow_every_write():
         torch.testing.assert_close(frozen_copy(m)(x), m(x))
         first = frozen_copy(m)
         assert frozen_copy(m) is first
-        # a single-row request upgrades the copy once; plain requests then reuse it
-        head_copy = frozen_copy(m, single_row=True)
-        assert head_copy is not first and head_copy.transposed is not None
-        assert frozen_copy(m) is head_copy
     m.weight = nn.Parameter(torch.randn(8, 16))  # a replaced parameter: new storage
     with torch.inference_mode():
         torch.testing.assert_close(frozen_copy(m)(x), m(x))
@@ -106,7 +103,7 @@ def test_a_tied_embedding_head_is_a_linear_without_bias():
     emb = nn.Embedding(300, 16)
     x = torch.randn(3, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(frozen_copy(emb, single_row=True)(x), F.linear(x, emb.weight))
+        torch.testing.assert_close(frozen_copy(emb)(x), F.linear(x, emb.weight))
 
 
 def test_int8_copy_is_close_to_fp32_and_only_at_cpu_inference():
@@ -147,8 +144,9 @@ def test_packed_linear_int8_follows_writes_and_switches_back():
 
 @pytest.mark.parametrize("shape", [(512, 2048), (1536, 512), (51865, 512)])  # base's fc2, fused qkv, head
 def test_a_bf16_row_has_the_same_bits_alone_and_among_others(shape):
-    """A plain step is one row, a verify several: a row's bf16 logits must not depend on the row count.
-    oneDNN's one-row bf16 kernel gave other bits than two or more rows on an AVX512-BF16 CPU (fc2)."""
+    """The drafter's bf16 rows on the row-invariant kernel: the same bits alone and among others (oneDNN's
+    one-row bf16 kernel gave other bits than two or more rows on an AVX512-BF16 CPU, and its kernel past
+    32 rows others again on an AMX Xeon)."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(*shape, generator=g) * 0.05).bfloat16()
     bias = torch.randn(shape[0], generator=g).bfloat16()
