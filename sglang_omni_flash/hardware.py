@@ -5,7 +5,7 @@ bfloat16 when the CPU has native bf16 matrix units (AMX-BF16), float32 otherwise
 time from /proc/cpuinfo, so the same install picks per machine.
 
 Why AMX only: on an AMX CPU the project's engine decodes base 2.2x faster in bf16 than in fp32
-(issue 26's measurement: a target pass of 9 rows 16.2 ms fp32 vs 11.7 ms bf16, a 30 s encoder
+(measured on an AMX Xeon before the row-invariant kernels: a target pass of 9 rows 16.2 ms fp32 vs 11.7 ms bf16, a 30 s encoder
 window 0.325 s vs 0.095 s). Without AMX, bf16 matmuls are converted or emulated: on this
 project's AVX2 machine (AMD EPYC, no avx512_bf16) a bf16 encoder window takes 5.6 s against 0.75 s
 in fp32. AVX512-BF16 without AMX (a dot-product instruction, not a tile unit), measured on an AMD

@@ -126,7 +126,7 @@ def test_bad_audio_is_a_clear_4xx_and_the_server_keeps_serving(server, clips, re
                              files={"file": ("not-audio.wav", fh, "audio/wav")}, timeout=60)
     assert resp.status_code == 400, resp.text
     # plain sglang-omni answers FastAPI's {"detail": ...}; the OpenAI envelope comes with
-    # the plugin's server hook (see docs/cpu-serving.md, "Known gaps")
+    # the plugin's server hook (see docs/cpu-serving.md, "Gaps of plain sglang-omni")
     assert "decode" in resp.text.lower() and "audio" in resp.text.lower(), resp.text
     resp = transcribe(server, clips[0], response_format="json")
     assert resp.status_code == 200 and resp.json()["text"].strip() == reference_texts[clips[0].id]

@@ -177,7 +177,10 @@ def test_packed_blocks_equal_unpacked_reference(extractor, teacher):
                 hard, _, _, _ = packing.packed_loss(drafter, batch, acoustic, weights, index, 0.0)
                 assert abs(float(hard) - float(loss)) > 1e-3
         assert int(n) > 0
-        assert abs(float(loss) - float(reference)) < 1e-5, (use_audio, use_history, soft, float(loss), float(reference))
+        # the same terms summed in other groups (a packed block's attention and mean against one
+        # utterance's) in fp32: measured up to 1.3e-5 relative on an AMX Xeon, so 5e-5 relative
+        assert abs(float(loss) - float(reference)) < 5e-5 * abs(float(reference)), \
+            (use_audio, use_history, soft, float(loss), float(reference))
 
 
 def test_pack_masks_history_before_anchor_and_own_block_only():
@@ -245,7 +248,10 @@ def _options(teacher, out, **kw):
 
 
 def test_training_lowers_loss_and_raises_acceptance(teacher, tiny_en_model_dir, tmp_path):
-    trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir)), progress=False)
+    # 36 updates: at 24 the gain over the untrained drafter was 0.02-0.06 tau depending on the last
+    # bits of the teacher's decodes (measured with oneDNN's and the row-invariant kernels), too close to 0.03
+    trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir), steps=36, eval_every=18),
+                      progress=False)
     untrained = trainer.validate()
     first_losses = [trainer.train_step() for _ in range(3)]
     summary = trainer.run()
@@ -462,13 +468,15 @@ def test_merge_keeps_the_interpolation_the_worst_validation_set_prefers(teacher,
     assert summary["result"] == str(merged)
     assert record["alpha"] == max((float(a) for a in summary["merge"]),
                                   key=lambda a: summary["merge"][f"{a:g}"]["select"])
-    # merged/ holds exactly that interpolation of the warm start and best/ (both saved in fp16)
+    # merged/ holds exactly that interpolation of the warm start and best/, rounded to fp16 as every
+    # saved drafter is (a midpoint of two fp16 weights rounds to even: 0.004 apart at |w| ~ 8)
     want = interpolate(load_drafter(start, tune.target, dtype=torch.float32).state_dict(),
                        load_drafter(tmp_path / "tune" / "best", tune.target, dtype=torch.float32).state_dict(),
                        record["alpha"])
     got = load_drafter(merged, tune.target, dtype=torch.float32).state_dict()
     for key, value in want.items():
-        assert torch.allclose(got[key].cpu().float(), value.cpu().float(), atol=2e-3), key
+        saved = value.cpu().half() if value.is_floating_point() else value.cpu()  # save_drafter's rule
+        assert torch.equal(got[key].cpu(), saved.to(got[key].dtype)), key
     # resuming a finished run reads the merge back instead of redoing it
     stamp = os.stat(merged / "metrics.json").st_mtime_ns
     assert Trainer(opts, progress=False).run()["merge"] == summary["merge"]

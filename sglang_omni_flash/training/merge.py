@@ -1,7 +1,7 @@
 """Weight-space interpolation between a warm start and its fine-tune, and the rule that picks one.
 
 Fine-tuning the synthetic-voice drafter on one real speaker gains on that speaker and forgets the
-voices it no longer sees (docs/training.md, stop 33). Interpolating the weights,
+voices it no longer sees (docs/training.md, "What was tried and measured"). Interpolating the weights,
 theta(a) = theta_start + a * (theta_tuned - theta_start), trades the two continuously (WiSE-FT,
 Wortsman et al. 2022); validation on every held-out set picks the `a` whose WORST set gains most over
 the warm start, since a drafter ships only if it beats the old one on real AND synthetic speech.

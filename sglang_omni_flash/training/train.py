@@ -6,7 +6,7 @@ without replacement, loss eq. 3. Validation on held-out teacher data gives two f
 accepted prefix + 1 at (up to 24) evenly sampled anchors per utterance, and `rollout_tau`, the tokens per
 target call of greedy decoding replayed on the teacher tokens (`packing.rollout`: rounds start right
 after a rejection, as in real decoding). The best checkpoint by `select` (default: rollout_tau, which
-tracks real decoding where tau stopped doing so, docs/training.md, stage 12 in "What was tried") is kept as a drafter
+tracks real decoding where tau stopped doing so: docs/training.md, "What was tried and measured") is kept as a drafter
 directory (`best/`, fp16 safetensors + config.json) beside resumable training state (`state/`).
 
 On-policy anchors (`onpolicy` > 0): that share of each utterance's anchors is drawn from the anchors the
