@@ -61,6 +61,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def tiny_en_plain_server(tiny_en_model_dir, tmp_path_factory):
+    """One plain tiny.en fp32 server (the stock options) for every module that only reads from it
+    (english-only prompts, the OpenAI error envelope): one start instead of one per module."""
+    from sglang_omni_flash.serving.launch import ServeOptions
+
+    log = tmp_path_factory.mktemp("tiny-en-plain") / "sgl-omni.log"
+    srv = started_server(ServeOptions(dtype="float32", model=str(tiny_en_model_dir), port=free_port(), log_file=log))
+    yield srv
+    srv.stop()
+
+
 def started_server(options):
     """A started, healthy `Server` (stop it when done); if it fails to start, the tail of its log
     is printed (pytest shows it with the failure) and the error re-raised."""

@@ -51,14 +51,8 @@ def reference_texts(tiny_en_model_dir, clips):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_en_model_dir, tmp_path_factory):
-    from sglang_omni_flash.serving.launch import ServeOptions
-
-    work = tmp_path_factory.mktemp("server-en")
-    options = ServeOptions(dtype="float32", model=str(tiny_en_model_dir), port=free_port(), log_file=work / "sgl-omni.log")
-    srv = started_server(options)
-    yield srv
-    srv.stop()
+def server(tiny_en_plain_server):
+    return tiny_en_plain_server
 
 
 def assert_texts_equal_reference(server, clips, reference_texts) -> None:

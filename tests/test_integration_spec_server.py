@@ -23,7 +23,7 @@ from sglang_omni_flash.serving.launch import ServeOptions
 
 pytestmark = pytest.mark.server
 
-N_CLIPS = 20  # + one > 30 s clip made by concatenation + the 53 s LibriVox reading
+N_CLIPS = 14  # + one > 30 s clip made by concatenation + the 53 s LibriVox reading
 FORMATS = ("json", "verbose_json", "srt", "vtt")
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
 # The other request options, each on the first N_OPTION_CLIPS clips: (endpoint, form).
@@ -49,14 +49,14 @@ FINISH_LINE = re.compile(r"whisper-flash (\S+): proposed=(\d+) accepted=(\d+) \(
 
 @pytest.fixture(scope="module")
 def clips(test_clips, tmp_path_factory):
-    """20 clips spread over synthetic voices and real lines, one > 30 s concatenation and the
+    """14 clips spread over synthetic voices and real lines, one > 30 s concatenation and the
     whole 53 s LibriVox reading the real lines were cut from (two chunks)."""
     import numpy as np
     import soundfile as sf
 
     synthetic = [c for c in test_clips if not c.voice.startswith("librivox")]
     real = [c for c in test_clips if c.voice.startswith("librivox")]
-    picked = synthetic[:: max(1, len(synthetic) // 12)][:12] + real[:8]
+    picked = synthetic[:: max(1, len(synthetic) // 8)][:8] + real[:6]
     assert len(picked) == N_CLIPS
     parts, total = [], 0.0
     for clip in sorted(real, key=lambda c: -c.duration):
@@ -157,30 +157,13 @@ def finish_lines(server) -> list[tuple]:
     return out
 
 
-SCORES = ("avg_logprob", "no_speech_prob")  # per-window floats: the verify pass and a plain step round differently
-
-
-def without_scores(answer_):
-    """(status, body) with the verbose_json segments' log-probability fields taken out; and those fields."""
-    status, body = answer_
-    if not isinstance(body, dict) or "segments" not in body:
-        return answer_, []
-    segments = [{k: v for k, v in seg.items() if k not in SCORES} for seg in body["segments"]]
-    return (status, {**body, "segments": segments}), [[seg.get(k) for k in SCORES] for seg in body["segments"]]
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_speculative_output_is_identical_to_plain(plain_results, spec_results, clips, fmt):
-    """Every byte, except the verbose_json window scores, which agree to float rounding."""
+    """Every byte, the verbose_json window scores (avg_logprob, no_speech_prob) included: the verify
+    rows have the bits of plain steps, and a round adds its tokens' scores one at a time as steps do."""
     assert sum(status == 200 for status, _ in spec_results[fmt].values()) >= N_CLIPS
-    spec = {c.id: without_scores(spec_results[fmt][c.id]) for c in clips}
-    plain = {c.id: without_scores(plain_results[fmt][c.id]) for c in clips}
-    different = [c.id for c in clips if spec[c.id][0] != plain[c.id][0]]
+    different = [c.id for c in clips if spec_results[fmt][c.id] != plain_results[fmt][c.id]]
     assert not different, {cid: (plain_results[fmt][cid], spec_results[fmt][cid]) for cid in different[:3]}
-    for c in clips:
-        assert len(spec[c.id][1]) == len(plain[c.id][1])
-        for got, want in zip(spec[c.id][1], plain[c.id][1]):
-            assert got == pytest.approx(want, abs=2e-3), c.id
 
 
 def test_window_scores_are_the_engines(spec_server, plain_results, spec_results, clips, base_model_dir):

@@ -1,8 +1,8 @@
 """User mistakes on the audio endpoints get OpenAI's error envelope from a real `sgl-omni serve`.
 
-One tiny.en server for the module, started through `Server` like `make serve` does, so the
-plugin's .pth hook (not this test) installs `integration.openai_errors` in the server
-process. Each bad request must answer 4xx with
+The session's plain tiny.en server (conftest), started through `Server` like `make serve` does,
+so the plugin's .pth hook (not this test) installs `integration.routes.openai_errors` in the
+server process. Each bad request must answer 4xx with
 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}` naming the field,
 without a traceback; afterwards a good request still transcribes.
 """
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from asr_stability import BAD_FIELDS  # noqa: E402  (one list of bad fields: this test and the stability benchmark)
@@ -28,12 +27,8 @@ TRANSLATIONS = "/v1/audio/translations"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_en_model_dir, tmp_path_factory):
-    from sglang_omni_flash.serving.launch import Server, ServeOptions
-
-    log = tmp_path_factory.mktemp("openai-errors") / "server.log"
-    with Server(ServeOptions(model=str(tiny_en_model_dir), port=free_port(), log_file=log)) as running:
-        yield running
+def server(tiny_en_plain_server):
+    return tiny_en_plain_server
 
 
 @pytest.fixture(scope="module")
