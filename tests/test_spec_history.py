@@ -68,7 +68,7 @@ def test_the_engines_deferred_history_equals_history_projected_as_observed():
     """engine.DrafterProposer keeps observed target states pending and projects them at the next
     proposal, all in one call, in the order observed: a position that a round
     rejected and a later step observes again holds the later state."""
-    from sglang_omni_flash.engine.engine import DrafterProposer
+    from sglang_omni_flash.engine.backends import DrafterProposer
 
     torch.manual_seed(2)
     drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
@@ -101,7 +101,7 @@ def test_the_engines_lazy_retirement_and_acoustic_kv_keep_the_live_rows_memories
     when it next runs, and the acoustic K/V are made then, for the live rows: they then hold the same
     history and audio as if every observation had been projected at once, the acoustic K/V made at
     the start and every retirement compacted at once."""
-    from sglang_omni_flash.engine.engine import DrafterProposer
+    from sglang_omni_flash.engine.backends import DrafterProposer
 
     torch.manual_seed(3)
     drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()

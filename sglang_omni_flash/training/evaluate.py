@@ -115,7 +115,7 @@ def evaluate_drafter(engine, clips, progress=None) -> dict:
 def format_table(name: str, result: dict) -> str:
     """A small markdown table of the headline figures and the per-position acceptance."""
     lines = [
-        f"| set | clips | tokens | target calls | alpha | tau | first |",
+        "| set | clips | tokens | target calls | alpha | tau | first |",
         "|---|---:|---:|---:|---:|---:|---:|",
         f"| {name} | {result['clips']} | {result['tokens']} | {result['target_calls']} | "
         f"{result['alpha']:.3f} | {result['tau']:.2f} | {result['first']:.3f} |",

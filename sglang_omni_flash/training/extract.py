@@ -128,7 +128,8 @@ class TeacherExtractor:
     """Holds the engine and the teacher-forced history target; `extract(clips, out_dir)` writes shards."""
 
     def __init__(self, options: ExtractOptions):
-        from sglang_omni_flash.engine.engine import SLACK, WhisperFlashEngine
+        from sglang_omni_flash.engine.backends import SLACK
+        from sglang_omni_flash.engine.engine import WhisperFlashEngine
         from sglang_omni_flash.engine.options import EngineOptions
         from sglang_omni_flash.engine.target import WhisperTarget
         from sglang_omni_flash.flash.checkpoint import TargetIdentity

@@ -322,7 +322,7 @@ class RecipeRun:
     def stage_train(self) -> dict:
         import dataclasses
 
-        from sglang_omni_flash.training.train import BEST, LOG_CSV, Trainer
+        from sglang_omni_flash.training.train import LOG_CSV, Trainer
 
         options = self.train_options()
         main = Trainer(options, progress=self.progress)
