@@ -11,24 +11,13 @@ values). Prints a Markdown table and the CPU's flags. Nothing here is asserted i
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from round_costs import median_ms  # (benchmarks/ is on the path of its own scripts)
 
 SHAPES = [(1536, 512), (512, 512), (512, 512), (512, 512), (2048, 512), (512, 2048)] * 6 + [(51865, 512)]
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def onednn_packed(weight, bias):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_omni_flash.flash.cpu_linear import FrozenLinear, frozen_copy, tensor_state
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, frozen_copy
+from sglang_omni_flash.kernels.linear import tensor_state
 from sglang_omni_flash.kernels import linear as row_linear
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sglang_omni_flash.kernels import linear as row_linear
-from sglang_omni_flash.kernels.linear import tensor_state
+from sglang_omni_flash.kernels.linear import cached_copy
 
 
 def _quantize_int8(weight: Tensor, bias: Tensor | None):
@@ -82,19 +82,13 @@ class FrozenLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-# module -> (tensor states of weight and bias and the int8 choice, the copy)
-_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, FrozenLinear]]" = weakref.WeakKeyDictionary()
+_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def frozen_copy(module: nn.Module, int8: bool = False) -> FrozenLinear:
     """The module's `FrozenLinear`, made on first use and again after any write to its weight or
-    bias (`PackedLinear` goes through it); it lives as long as the module (weak keys)."""
-    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)), int8)
-    entry = _COPIES.get(module)
-    if entry is None or entry[0] != key:
-        entry = (key, FrozenLinear.of(module, int8))
-        _COPIES[module] = entry
-    return entry[1]
+    bias (`PackedLinear` goes through it)."""
+    return cached_copy(_COPIES, module, lambda: FrozenLinear.of(module, int8), int8)
 
 
 class PackedLinear(nn.Linear):

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear, tensor_state
+from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear
+from sglang_omni_flash.kernels.linear import tensor_state
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration

@@ -80,17 +80,21 @@ def tensor_state(t: Tensor | None) -> tuple | None:
     return (t.data_ptr(), version, t.device, t.dtype)
 
 
-# module -> (tensor states of weight and bias, gelu, the copy)
-_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, RowLinear]]" = weakref.WeakKeyDictionary()
+def cached_copy(cache: "weakref.WeakKeyDictionary", module: nn.Module, make, *variant):
+    """`make()`'s copy of a module's weights, kept in `cache` (weak keys: it lives as long as the
+    module) and made again after any write to the weight or bias, or for another `variant`."""
+    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)), *variant)
+    entry = cache.get(module)
+    if entry is None or entry[0] != key:
+        entry = (key, make())
+        cache[module] = entry
+    return entry[1]
+
+
+_ROW_COPIES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def row_copy(module: nn.Module, gelu: bool = False) -> RowLinear:
-    """The module's `RowLinear` (an nn.Linear, or a tied head's module), made on first use and again
-    after any write to its weight or bias; it lives as long as the module. The serving decode step,
+    """The module's `RowLinear` (an nn.Linear, or a tied head's module). The serving decode step,
     prefill and verify pass all go through it, so they share one packed copy per linear."""
-    key = (tensor_state(module.weight), tensor_state(getattr(module, "bias", None)), gelu)
-    entry = _COPIES.get(module)
-    if entry is None or entry[0] != key:
-        entry = (key, RowLinear.of(module, gelu))
-        _COPIES[module] = entry
-    return entry[1]
+    return cached_copy(_ROW_COPIES, module, lambda: RowLinear.of(module, gelu), gelu)
