@@ -10,7 +10,8 @@
 // One path per process, chosen from the CPU (this file is compiled with -march=native) and never
 // from the call:
 //   float32                      FMA over k = 0..K-1, one fp32 accumulator per element
-//                                (AVX-512 or AVX2 lanes over the columns, so no horizontal sums);
+//                                (AVX-512 or AVX2 lanes over the columns, so no horizontal sums;
+//                                without AVX2 FMA, 4-lane vectors with a multiply and an add);
 //   bfloat16 with AMX-BF16       TDPBF16PS tiles: 16 rows x 16 columns, k in blocks of 32, blocks
 //                                in order; rows past M are zeros of a padded copy of x;
 //   bfloat16 with AVX512-BF16    VDPBF16PS: k pairs in order, lanes over the columns;
@@ -30,9 +31,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +55,12 @@ using bf16 = c10::BFloat16;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ------------------------------------------------------------------------------ fp32 vectors
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool HAVE_AVX2_FMA = true;
+#else
+constexpr bool HAVE_AVX2_FMA = false;
+#endif
 
 #if defined(__AVX512F__)
 constexpr int64_t LANES = 16;
@@ -84,19 +93,35 @@ inline Vec vload(const bf16* p) {
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.r, b.r, c.r)}; }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a.r); }
 #else
-constexpr int64_t LANES = 1;  // no vector FMA: scalar fma, still one fixed order per element
-constexpr int64_t MR = 4;
+// No AVX2 FMA (an x86-64 CPU model without it, or another architecture): 4 lanes of GCC vector
+// extensions (SSE2 / NEON registers), a multiply then an add (this file is built as ISO C++, where
+// GCC never contracts a * b + c into an FMA). Not std::fma: without hardware FMA that is a libm
+// call per element, which made a 72-row head take seconds.
+constexpr int64_t LANES = 4;  // one SSE2 / NEON register: wider vectors spilled (measured 6x slower)
+constexpr int64_t MR = 3;  // 3 x 4 accumulators + 4 weights + 1 broadcast < 16 registers
+typedef float f4v __attribute__((vector_size(16)));
+typedef uint32_t u4v __attribute__((vector_size(16)));
+typedef uint16_t h4v __attribute__((vector_size(8)));
 struct Vec {
-  float r;
+  f4v r;
 };
-inline Vec vzero() { return {0.f}; }
-inline Vec vbroadcast(float x) { return {x}; }
-inline Vec vload(const float* p) { return {*p}; }
-inline Vec vload(const bf16* p) { return {static_cast<float>(*p)}; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return {std::fma(a.r, b.r, c.r)}; }
-inline void vstore(float* p, Vec a) { *p = a.r; }
+inline Vec vzero() { return {f4v{}}; }
+inline Vec vbroadcast(float x) { return {f4v{} + x}; }
+inline Vec vload(const float* p) {
+  Vec v;
+  std::memcpy(&v.r, p, sizeof v.r);
+  return v;
+}
+inline Vec vload(const bf16* p) {  // 4 bf16 -> fp32, exact
+  h4v h;
+  std::memcpy(&h, p, sizeof h);
+  return {(f4v)(__builtin_convertvector(h, u4v) << 16)};
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return {a.r * b.r + c.r}; }
+inline void vstore(float* p, Vec a) { std::memcpy(p, &a.r, sizeof a.r); }
 #endif
-constexpr int64_t GROUP_VECS = GROUP / LANES > 4 ? 4 : GROUP / LANES;  // vectors across a micro-kernel
+constexpr const char* FMA_NAME = LANES == 16 ? "avx512 fma" : HAVE_AVX2_FMA ? "avx2 fma" : "4-lane multiply-add";
+constexpr int64_t GROUP_VECS = 4;  // vectors across a micro-kernel
 constexpr int64_t FMA_GROUP = GROUP_VECS * LANES;  // columns per FMA micro-kernel call
 
 #if defined(__AVX512BF16__)
@@ -227,7 +252,7 @@ void fma_dispatch(int64_t rows, const float* x, int64_t x_ld, const W* panels, i
     case 1: return fma_rows<1>(x, x_ld, panels, k_len, first_col, vecs, acc);
     case 2: return fma_rows<2>(x, x_ld, panels, k_len, first_col, vecs, acc);
     case 3: return fma_rows<3>(x, x_ld, panels, k_len, first_col, vecs, acc);
-#if !defined(__AVX2__) || defined(__AVX512F__)
+#if !(defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
     case 4: return fma_rows<4>(x, x_ld, panels, k_len, first_col, vecs, acc);
 #endif
 #if defined(__AVX512F__)
@@ -493,9 +518,9 @@ std::string row_linear_path(c10::ScalarType dtype) {
   if (dtype == at::kBFloat16) {
     if (use_amx()) return "amx-bf16 tiles";
     if (VNNI) return "avx512-bf16 dot products";
-    return LANES == 16 ? "avx512 fma over widened bf16" : LANES == 8 ? "avx2 fma over widened bf16" : "scalar fma";
+    return std::string(FMA_NAME) + " over widened bf16";
   }
-  return LANES == 16 ? "avx512 fma" : LANES == 8 ? "avx2 fma" : "scalar fma";
+  return FMA_NAME;
 }
 
 std::string path_of(bool bfloat16) { return row_linear_path(bfloat16 ? at::kBFloat16 : at::kFloat); }

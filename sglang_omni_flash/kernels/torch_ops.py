@@ -1,7 +1,8 @@
 """Load this package's C++ torch operators (namespace `torch.ops.whisper_flash`), built on first use.
 
 Each source is compiled for the machine that runs it (`-march=native`: one build per kind of CPU,
-cached in the build directory by `build.build_library`) against the installed torch's headers and
+cached in the build directory by `build.build_library`; `WHISPER_FLASH_MARCH=haswell` and the like
+build for an older CPU class instead, to run its kernel paths here) against the installed torch's headers and
 libraries. Where a source cannot be built or loaded, `load` says so once on stderr and returns
 False; each kernel module then names its own fallback.
 """
@@ -9,6 +10,7 @@ False; each kernel module then names its own fallback.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -29,8 +31,11 @@ def _flags() -> tuple[list[str], list[str]]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -march=native: one build per kind of CPU (hashlib, not hash(): str hashes are salted per process)
     machine = int(hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8], 16)
+    # WHISPER_FLASH_MARCH builds for another CPU class than this one (haswell, x86-64, ...): how the
+    # tests and benchmarks run the AVX2 and scalar paths on an AMX machine; a server leaves it unset
+    march = os.environ.get("WHISPER_FLASH_MARCH", "native")
     flags = [
-        "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++20",
+        "-O3", f"-march={march}", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp", "-std=c++20",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DWHISPER_FLASH_CPU={machine}",
         f"-DWHISPER_FLASH_TORCH={torch.__version__.split('+')[0].replace('.', '_')}",
         *[f"-I{p}" for p in includes],

@@ -1,0 +1,86 @@
+"""Every kernel path of row_linear.cpp is row-invariant and computes the linear, checked on this
+machine whatever its CPU: the kernel is built again for each older CPU class this CPU can run
+(`WHISPER_FLASH_MARCH`), in a subprocess, so an AMX machine also runs the AVX-512, AVX2 and
+plain-vector paths that CPUs without AMX get, and an AVX2 machine the plain-vector one.
+
+Why it matters: which path runs is chosen by the CPU at build time, and the product's exactness
+rests on each one being row-invariant; a path only exercised on other machines would be a
+guarantee by luck. (A plain-vector path built on std::fma once made a 72-row head take seconds on
+CPUs without FMA; the timing printed here is for reading, never asserted.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang_omni_flash.hardware import cpu_flags
+from sglang_omni_flash.kernels import linear as row_linear
+
+pytestmark = pytest.mark.skipif(not row_linear.available(), reason="no C++ compiler for the row-invariant kernels")
+
+FLAGS = cpu_flags()
+# (-march, the CPU flags it needs, the fp32 path and the bf16 path it must report)
+CLASSES = [
+    ("x86-64", (), "4-lane multiply-add", "4-lane multiply-add over widened bf16"),
+    ("haswell", ("avx2", "fma"), "avx2 fma", "avx2 fma over widened bf16"),
+    ("skylake-avx512", ("avx512f",), "avx512 fma", "avx512 fma over widened bf16"),
+    ("cooperlake", ("avx512f", "avx512_bf16"), "avx512 fma", "avx512-bf16 dot products"),
+]
+
+CHECK = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, "tests")
+    from row_bits import MAX_ROWS, SOME_ROWS, row_mismatches
+    from sglang_omni_flash.kernels.linear import RowLinear, path
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes = {"fc1+gelu": (2048, 512, True, True), "fc2": (512, 2048, True, False),
+                  "head": (51865, 512, False, False)}
+        result = {"path": path(dtype)}
+        for name, (n, k, bias, gelu) in shapes.items():
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype) if bias else None
+            lin = RowLinear(w, b, gelu=gelu)
+            x = torch.randn(MAX_ROWS, k, generator=g).to(dtype)
+            counts = SOME_ROWS if name == "head" else range(1, MAX_ROWS + 1)
+            t = time.perf_counter()
+            bad = row_mismatches(lin, x, counts, shuffles=2)
+            want = F.linear(x[:9].float(), w.float(), None if b is None else b.float())
+            want = F.gelu(want) if gelu else want
+            err = ((lin(x[:9]).float() - want).abs() / (want.abs() + 1)).max().item()
+            result[name] = {"packed": lin.packed is not None, "mismatches": len(bad), "max_rel_err": err,
+                            "check_s": round(time.perf_counter() - t, 2)}
+        report[str(dtype).removeprefix("torch.")] = result
+    print(json.dumps(report))
+""")
+
+
+@pytest.mark.parametrize("march,needs,fp32_path,bf16_path", CLASSES, ids=[c[0] for c in CLASSES])
+def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, needs, fp32_path, bf16_path):
+    missing = [f for f in needs if f not in FLAGS]
+    if missing:
+        pytest.skip(f"this CPU cannot run {march} code (no {', '.join(missing)})")
+    env = {**os.environ, "WHISPER_FLASH_MARCH": march}
+    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    print(march, json.dumps(report, indent=1))
+    assert report["float32"]["path"] == fp32_path
+    assert report["bfloat16"]["path"] == bf16_path
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+        for name in ("fc1+gelu", "fc2", "head"):
+            got = report[dtype][name]
+            assert got["packed"], (march, dtype, name)  # the kernel ran, not F.linear
+            assert got["mismatches"] == 0, (march, dtype, name, got)
+            assert got["max_rel_err"] < tol, (march, dtype, name, got)
