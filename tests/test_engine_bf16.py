@@ -113,14 +113,21 @@ def test_bf16_seeded_sampling_is_reproducible_and_valid(case):
 
 def test_bf16_acceptance_within_a_few_percent_of_float32(case):
     """Same clips, same shipped drafter (whole chains, as eval-drafter): tokens per target call in
-    bf16 within 5% of fp32, and well above 1 (an untrained or refused drafter gets ~1)."""
+    bf16 within 5% of fp32 with the drafter's float weights (only the dtype differs), and well above
+    1 (an untrained or refused drafter gets ~1) there and with fp32's default int8 drafter. (bf16
+    against the int8 drafter mixes two changes: 5.06% apart on base on an AVX512-BF16 EPYC, where
+    bf16 against the float drafter is 0.4% apart.)"""
     bf16 = case.run(min_draft_prob=0.0, tree_nodes=0)
-    fp32_engine = WhisperFlashEngine(case.engine.options.with_(dtype="float32", min_draft_prob=0.0, tree_nodes=0))
-    assert fp32_engine.drafter_source == case.engine.drafter_source
-    fp32 = fp32_engine.decode(encoder_out=case.encoded.float(), speculative=True)
+
+    def fp32(**changes):
+        engine = WhisperFlashEngine(case.engine.options.with_(dtype="float32", min_draft_prob=0.0, tree_nodes=0,
+                                                              **changes))
+        assert engine.drafter_source == case.engine.drafter_source
+        return engine.decode(encoder_out=case.encoded.float(), speculative=True)
 
     def tau(results):
         return sum(len(r.tokens) for r in results) / sum(r.target_calls for r in results)
 
-    assert tau(fp32) > 1.8
-    assert abs(tau(bf16) / tau(fp32) - 1) < 0.05
+    fp32_float, fp32_int8 = fp32(drafter_int8=False), fp32()
+    assert tau(fp32_float) > 1.8 and tau(fp32_int8) > 1.8
+    assert abs(tau(bf16) / tau(fp32_float) - 1) < 0.05
