@@ -29,6 +29,16 @@ Metrics per server and concurrency (over all repeats):
   identical          requests whose whole response equals the baseline server's for the same variant
                      (`--response-format srt|vtt|verbose_json`: timestamps included)
 
+With `--faster-whisper` (default where the model has a CTranslate2 export: base, tiny.en) the
+peer a CPU user would run instead is measured on the same files after the servers stopped:
+faster-whisper's int8 `BatchedInferencePipeline` (Silero VAD, batch 8, 2 threads, greedy, English,
+no timestamps), in this process, one file at a time (the pipeline batches a file's windows). Its
+row sits at C=1 and every server row gets `x fw` = its audio s/s over the peer's.
+
+Long-form audio: `whisper-flash corpus long-form --manifest .../librispeech-mini/manifest.jsonl
+--split val --out DIR` joins each val speaker's utterances into 60-120 s files; pass DIR's
+manifest.jsonl here.
+
 Writes results.json, results.md and results.png (needs matplotlib; skipped with a warning
 if it is not installed) into --out, and prints the markdown table.
 """
@@ -76,6 +86,8 @@ class BenchOptions:
     response_format: str = "json"
     language: str | None = "en"  # None: let the server decide
     timeout_s: float = 600.0  # per request
+    faster_whisper: str | None = None  # the model's CTranslate2 folder: measure the faster-whisper peer
+    english_only: bool = False  # the model is English-only (faster-whisper is then given no language)
 
 
 @dataclass
@@ -308,6 +320,45 @@ def summarise(records: list[RequestRecord], wall_s: float, loads: list[tuple[flo
     }
 
 
+FASTER_WHISPER = "faster-whisper int8 batched"
+
+
+def measure_faster_whisper(clips: list[Utterance], options: BenchOptions, normalizer,
+                           references: dict[str, str]) -> dict:
+    """The peer's row: every file once per repeat, one after another (its pipeline batches the
+    30 s windows of a file, 8 at a time); the median pass."""
+    from faster_whisper import BatchedInferencePipeline, WhisperModel
+
+    model = WhisperModel(options.faster_whisper, device="cpu", compute_type="int8", cpu_threads=2)
+    pipeline = BatchedInferencePipeline(model)
+    settings = dict(language=None if options.english_only else "en", beam_size=1, temperature=0.0, batch_size=8,
+                    without_timestamps=True, condition_on_previous_text=False)
+    waves = [sf.read(str(c.audio), dtype="float32")[0] for c in clips]
+
+    def decode(wave) -> tuple[float, str]:
+        start = time.perf_counter()
+        segments, _ = pipeline.transcribe(wave, **settings)
+        text = "".join(s.text for s in segments).strip()
+        return time.perf_counter() - start, text
+
+    decode(waves[0])  # warm-up
+    passes = []
+    for _ in range(options.repeats):
+        passes.append([decode(w) for w in tqdm(waves, desc=FASTER_WHISPER, file=sys.stderr, leave=False)])
+    walls = [sum(t for t, _ in p) for p in passes]
+    median = passes[walls.index(sorted(walls)[len(walls) // 2])]
+    latencies = np.array([t for t, _ in median])
+    audio_s = sum(c.duration for c in clips)
+    wall = float(latencies.sum())
+    return {"server": FASTER_WHISPER, "concurrency": 1, "requests": len(clips), "errors": 0,
+            "wall_s": round(wall, 3), "audio_s": round(audio_s, 2), "req_per_s": round(len(clips) / wall, 4),
+            "audio_s_per_s": round(audio_s / wall, 4), "latency_mean_s": round(float(latencies.mean()), 4),
+            "latency_p95_s": round(float(np.percentile(latencies, 95)), 4),
+            "rtf": round(float(np.mean([t / c.duration for (t, _), c in zip(median, clips)])), 4),
+            "wer": corpus_wer(normalizer, [references[c.id] for c in clips], [t for _, t in median]),
+            "identical_to_baseline": None, "loadavg_1m": None}
+
+
 def add_speedups(rows: list[dict], baseline_name: str) -> None:
     base = {row["concurrency"]: row for row in rows if row["server"] == baseline_name}
     for row in rows:
@@ -317,6 +368,11 @@ def add_speedups(rows: list[dict], baseline_name: str) -> None:
         row["speedup_audio_s_per_s"] = _ratio(row["audio_s_per_s"], ref["audio_s_per_s"])
         row["speedup_latency_mean"] = _ratio(ref["latency_mean_s"], row["latency_mean_s"])
         row["speedup_latency_p95"] = _ratio(ref["latency_p95_s"], row["latency_p95_s"])
+    peer = next((row for row in rows if row["server"] == FASTER_WHISPER), None)
+    if peer is not None:
+        for row in rows:
+            if row is not peer:
+                row["x_faster_whisper"] = _ratio(row["audio_s_per_s"], peer["audio_s_per_s"])
 
 
 def _ratio(a, b):
@@ -340,6 +396,9 @@ def markdown(result: dict) -> str:
               "identical", "errors", "load 1m"]
     if others:
         header += ["x audio s/s", "x p95"]
+    peer = any(row["server"] == FASTER_WHISPER for row in result["rows"])
+    if peer:
+        header += ["x fw"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["rows"]:
         n_ok = row["requests"] - row["errors"]
@@ -351,6 +410,8 @@ def markdown(result: dict) -> str:
         cells = ["-" if c is None else c for c in cells]
         if others:
             cells += [row.get("speedup_audio_s_per_s", "-") or "-", row.get("speedup_latency_p95", "-") or "-"]
+        if peer:
+            cells += [row.get("x_faster_whisper", "-") or "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -442,6 +503,8 @@ def run(options: BenchOptions, targets: list[Target], out_dir: Path, normalizer,
                                  normalizer, references,
                                  None if target.name == baseline_name else baseline_texts))
             rows.append(row)
+    if options.faster_whisper:
+        rows.append(measure_faster_whisper(clips, options, normalizer, references))
     add_speedups(rows, baseline_name)
     options_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}
     return {
@@ -488,6 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--language", default="en", help="language field sent ('' to send none)")
     parser.add_argument("--spelling-json", type=Path, default=None,
                         help="Whisper's english.json / normalizer.json (British->American spellings) for WER")
+    parser.add_argument("--faster-whisper", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure faster-whisper's int8 BatchedInferencePipeline on the same files "
+                             "(default: on where --model has a CTranslate2 export)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--from-json", type=Path, default=None, metavar="RESULTS_JSON",
                         help="measure nothing: rewrite results.md / results.png next to an earlier results.json")
@@ -536,6 +602,21 @@ def write_reports(result: dict, out_dir: Path) -> str:
     return table
 
 
+def faster_whisper_dir(args: argparse.Namespace) -> str | None:
+    """The CTranslate2 export faster-whisper reads, or None (not asked for, or none exists)."""
+    if args.faster_whisper is False:
+        return None
+    from sglang_omni_flash.models.embedded import ct2_dir
+
+    folder = ct2_dir(args.model) if args.model in ("base", "tiny.en") else None
+    if folder is None or not (folder / "model.bin").is_file():
+        if args.faster_whisper:
+            raise SystemExit(f"--faster-whisper: no CTranslate2 export of {args.model} "
+                             f"(run `whisper-flash models fetch {args.model}`)")
+        return None
+    return str(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
@@ -547,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         repeats=1 if args.quick else args.repeats, warmup=1 if args.quick else args.warmup,
         limit=6 if args.quick and not args.limit else args.limit,
         cache_busting=not args.no_cache_busting, response_format=args.response_format,
-        language=args.language or None)
+        language=args.language or None, faster_whisper=faster_whisper_dir(args),
+        english_only=args.model.endswith(".en"))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or Path("out") / f"asr-server-bench-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)

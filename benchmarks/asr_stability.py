@@ -21,10 +21,13 @@ stops it at the end. Sections, each recorded check by check in the JSON result:
                with the OpenAI envelope {"error": {"message", "type", "param", "code"}}, never a 5xx.
   soak         `--duration` seconds split evenly over the `--concurrency` levels. Worker threads send
                test-set clips (mixed formats, some streams, each upload a fresh variant so the
-               encoder cache does not answer); a chaos thread (seeded by `--seed`) at random moments
+               encoder cache does not answer) and long files (60-120 s, several windows: the 65 s
+               joined reading, or `--long-manifest`'s files) in every response format, each sent as
+               the same bytes every time, so every repeat of a file in a format must answer the
+               same bytes as its first (speculation, batching and load must never change them); a chaos thread (seeded by `--seed`) at random moments
                sends a malformed upload, hangs up a stream, or drops a connection mid-request or
-               mid-upload. Errors: any 5xx, connection failure, unexpected 4xx, malformed 200 or stream
-               error event that chaos did not cause on purpose.
+               mid-upload. Errors: any 5xx, connection failure, unexpected 4xx, malformed 200, stream
+               error event that chaos did not cause on purpose, or a long file answered differently.
   after_soak   after an idle wait: no request left in the speculative worker (/whisper-flash/stats),
                the KV pool's free slots back at their idle value, /health 200, the server alive.
 
@@ -93,7 +96,7 @@ BAD_FIELDS = {
 }
 # What the soak's workers send, with weights: mostly the default json, every other kind too.
 SOAK_KINDS = (("json", 35), ("text", 10), ("verbose_json", 10), ("srt", 10), ("vtt", 5),
-              ("stream", 20), ("stream_text", 5), ("translation", 5))
+              ("stream", 20), ("stream_text", 5), ("translation", 5), ("long", 10))
 CHAOS_ACTIONS = ("malformed_upload", "cancel_stream", "disconnect_mid_request", "disconnect_mid_upload")
 MAX_RECORDED_ERRORS = 50
 
@@ -533,6 +536,14 @@ class SoakStats:
         self.chaos_outcomes: dict[str, int] = {}
         self.chaos_errors = 0
         self.error_samples: list[dict] = []
+        self.long_bodies: dict[tuple[str, str], str] = {}  # (file, format) -> its first answer
+        self.long_sent: dict[tuple[str, str], int] = {}
+
+    def same_as_first(self, key: tuple[str, str], body: str) -> bool:
+        """Whether a long file's answer in a format equals the first one it got (the first is kept)."""
+        with self.lock:
+            self.long_sent[key] = self.long_sent.get(key, 0) + 1
+            return self.long_bodies.setdefault(key, body) == body
 
     def request(self, level: int, kind: str, latency: float | None, error: str | None, error_kind: str = ""):
         with self.lock:
@@ -580,49 +591,57 @@ def next_variant() -> int:
         return next(_variants)
 
 
-def soak_request(client: Client, clip: Clip, kind: str) -> tuple[float, str | None, str]:
-    """Send one worker request; (latency, error or None, error kind)."""
-    audio = clip.wav(next_variant())
+def soak_request(client: Client, clip: Clip, kind: str, fresh: bool = True) -> tuple[float, str | None, str, str]:
+    """Send one worker request (`fresh`: a new variant of the clip, else its own bytes);
+    (latency, error or None, error kind, body)."""
+    audio = clip.wav(next_variant() if fresh else None)
     started = time.perf_counter()
     try:
         if kind in ("stream", "stream_text"):
             fmt = "json" if kind == "stream" else "text"
             with client.post(audio, name=f"{clip.id}.wav", streamed=True, response_format=fmt) as resp:
                 if resp.status_code != 200:
-                    return 0.0, f"HTTP {resp.status_code}: {resp.text[:200]}", status_kind(resp.status_code)
+                    return 0.0, f"HTTP {resp.status_code}: {resp.text[:200]}", status_kind(resp.status_code), ""
                 deltas, done, error = read_stream(resp)
             if error is not None:
-                return 0.0, f"stream error event: {error}", "stream_error"
+                return 0.0, f"stream error event: {error}", "stream_error", ""
             if done is None or "".join(deltas).strip() != done.strip() or not done.strip():
                 return 0.0, f"stream ended without a matching done event ({len(deltas)} deltas, done {done!r})", \
-                    "malformed"
-            return time.perf_counter() - started, None, ""
+                    "malformed", ""
+            return time.perf_counter() - started, None, "", done
         endpoint, fmt = (TRANSLATIONS, "json") if kind == "translation" else (TRANSCRIPTIONS, kind)
         resp = client.post(audio, endpoint=endpoint, name=f"{clip.id}.wav", response_format=fmt)
         latency = time.perf_counter() - started
         if resp.status_code != 200:
-            return latency, f"HTTP {resp.status_code}: {resp.text[:200]}", status_kind(resp.status_code)
+            return latency, f"HTTP {resp.status_code}: {resp.text[:200]}", status_kind(resp.status_code), ""
         problem, _ = body_problem(fmt, resp, clip.duration)
         if problem:
-            return latency, f"{fmt} body: {problem}", "malformed"
-        return latency, None, ""
+            return latency, f"{fmt} body: {problem}", "malformed", ""
+        return latency, None, "", resp.text
     except requests.RequestException as exc:
-        return time.perf_counter() - started, f"{type(exc).__name__}: {exc}", "connection"
+        return time.perf_counter() - started, f"{type(exc).__name__}: {exc}", "connection", ""
     except ValueError as exc:  # a stream line that is not JSON
-        return time.perf_counter() - started, f"{type(exc).__name__}: {exc}", "malformed"
+        return time.perf_counter() - started, f"{type(exc).__name__}: {exc}", "malformed", ""
 
 
 def status_kind(status: int) -> str:
     return "5xx" if status >= 500 else "unexpected_4xx"
 
 
-def worker(client: Client, clips: list[Clip], level: int, deadline: float, rng: random.Random,
-           stats: SoakStats) -> None:
+def worker(client: Client, clips: list[Clip], long_clips: list[Clip], level: int, deadline: float,
+           rng: random.Random, stats: SoakStats, first_long: bool = False) -> None:
     kinds, weights = zip(*SOAK_KINDS)
+    first = first_long  # the first request: a long file in json (so every level repeats one)
     while time.monotonic() < deadline:
-        clip = rng.choice(clips)
-        kind = rng.choices(kinds, weights)[0]
-        latency, error, error_kind = soak_request(client, clip, kind)
+        kind = "long" if first else rng.choices(kinds, weights)[0]
+        if kind != "long":
+            latency, error, error_kind, _ = soak_request(client, rng.choice(clips), kind)
+        else:  # a long file as the same bytes every time, in any format: each repeat must answer the same
+            clip, fmt = (long_clips[0], "json") if first else (rng.choice(long_clips), rng.choice(FORMATS))
+            first = False
+            latency, error, error_kind, body = soak_request(client, clip, fmt, fresh=False)
+            if error is None and not stats.same_as_first((clip.id, fmt), body):
+                error, error_kind = f"{clip.id} in {fmt}: not the bytes of its first answer", "not_repeatable"
         stats.request(level, kind, latency, error, error_kind)
 
 
@@ -690,8 +709,8 @@ def chaos(client: Client, clips: list[Clip], reference: Clip, stop: threading.Ev
             stats.chaos_action(action, "failed", f"{type(exc).__name__}: {exc}")
 
 
-def soak(client: Client, clips: list[Clip], reference: Clip, levels: tuple[int, ...], duration_s: float,
-         seed: int, chaos_interval_s: float) -> dict:
+def soak(client: Client, clips: list[Clip], long_clips: list[Clip], reference: Clip, levels: tuple[int, ...],
+         duration_s: float, seed: int, chaos_interval_s: float) -> dict:
     stats = SoakStats()
     per_level = duration_s / len(levels)
     stop = threading.Event()
@@ -706,8 +725,8 @@ def soak(client: Client, clips: list[Clip], reference: Clip, levels: tuple[int, 
             level_start = time.monotonic()
             deadline = level_start + per_level
             threads = [threading.Thread(target=worker, name=f"soak-c{level}-{i}", daemon=True,
-                                        args=(client, clips, level, deadline,
-                                              random.Random(f"{seed}-{level}-{i}"), stats))
+                                        args=(client, clips, long_clips, level, deadline,
+                                              random.Random(f"{seed}-{level}-{i}"), stats, i == 0))
                        for i in range(level)]
             for thread in threads:
                 thread.start()
@@ -739,6 +758,9 @@ def soak(client: Client, clips: list[Clip], reference: Clip, levels: tuple[int, 
         "error_kinds": stats.error_kinds,
         "latency": percentiles(all_latencies),
         "kinds": stats.kinds,
+        "long_files": {"files": [c.id for c in long_clips], "seconds": [round(c.duration, 1) for c in long_clips],
+                       "sent": {f"{f}:{fmt}": n for (f, fmt), n in sorted(stats.long_sent.items())},
+                       "repeated": sum(n > 1 for n in stats.long_sent.values())},
         "levels": rows,
         "chaos": {"actions": sum(stats.chaos.values()), "by_action": stats.chaos, "outcomes": stats.chaos_outcomes,
                   "errors": stats.chaos_errors, "mean_interval_s": chaos_interval_s},
@@ -897,7 +919,8 @@ def run(args: argparse.Namespace, levels: tuple[int, ...]) -> dict:
 
         print(f"soak: {args.duration:g} s over concurrency {','.join(map(str, levels))}, seed {args.seed}",
               file=sys.stderr)
-        result["soak"] = soak(client, clips, built["formats"], levels, args.duration, args.seed,
+        long_clips = load_test_clips(args.long_manifest) if args.long_manifest else [built["clip_long"]]
+        result["soak"] = soak(client, clips, long_clips, built["formats"], levels, args.duration, args.seed,
                               args.chaos_interval)
 
         time.sleep(min(args.idle_wait, 5.0))
@@ -951,6 +974,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple
     parser.add_argument("--dtype", default="auto", help="ASR stage dtype of the own server (default auto)")
     parser.add_argument("--manifest", type=Path, default=None,
                         help="JSONL manifest of 16 kHz clips (default: the test set, built on first use)")
+    parser.add_argument("--long-manifest", type=Path, default=None,
+                        help="long files for the soak (e.g. `whisper-flash corpus long-form`'s manifest; "
+                             "default: the 65 s joined reading)")
     parser.add_argument("--duration", type=float, default=300.0, help="soak seconds over all levels (default 300)")
     parser.add_argument("--concurrency", default="1,4,16", help="comma list of soak levels (default 1,4,16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workers' choices and of the chaos")
@@ -987,8 +1013,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple
         args.url = args.url.rstrip("/")
         if args.server_log is not None and not args.server_log.is_file():
             parser.error(f"--server-log: {args.server_log} is not a file")
-    if args.manifest is not None and not args.manifest.is_file():
-        parser.error(f"--manifest: {args.manifest} is not a file")
+    for name in ("manifest", "long_manifest"):
+        if getattr(args, name) is not None and not getattr(args, name).is_file():
+            parser.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not a file")
     if args.out is not None and args.out.parent and not args.out.parent.is_dir():
         parser.error(f"--out: folder {args.out.parent} does not exist")
     return args, levels

@@ -1,7 +1,8 @@
 """benchmarks/asr_stability.py for 60 seconds against its own speculative server (CPU, converted base).
 
 The script is run as a user runs it (a subprocess, its own `Server` start path, `--out FILE`):
-functional checks, every bad input, a 60 s soak at concurrency 1 and 4 with chaos, and the
+functional checks, every bad input, a 60 s soak at concurrency 1 and 4 with chaos (a 65 s file
+sent again and again must get the same bytes each time), and the
 after-soak checks (worker idle, KV pool back at its idle free count, /health). The test asserts
 what the JSON says and that each section really ran; it never asserts wall times, which depend
 on whatever else this machine is doing.
@@ -101,6 +102,10 @@ def test_the_soak_ran_every_level_and_chaos_action(stability):
     assert soak["errors"] == 0 and soak["chaos"]["errors"] == 0, soak["error_samples"]
     assert soak["latency"]["p50_s"] is not None and soak["latency"]["p99_s"] >= soak["latency"]["p50_s"]
     assert soak["chaos"]["actions"] > 0
+    # the long file (several windows) went first at every level: its json answers repeated byte for byte
+    assert soak["long_files"]["seconds"][0] > 60 and soak["kinds"]["long"] >= 2, soak["long_files"]
+    assert soak["long_files"]["sent"][f"{soak['long_files']['files'][0]}:json"] >= 2
+    assert soak["long_files"]["repeated"] >= 1 and "not_repeatable" not in soak["error_kinds"]
     assert set(soak["chaos"]["by_action"]) == {"malformed_upload", "cancel_stream", "disconnect_mid_request",
                                                "disconnect_mid_upload"}, soak["chaos"]
 

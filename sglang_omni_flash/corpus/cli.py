@@ -48,8 +48,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument("--max-seconds", type=float, default=28.0,
                       help="longest packed clip (default 28; Whisper's window is 30)")
     pack.add_argument("--gap-seconds", type=float, default=0.4, help="pause between parts")
+    pack.add_argument("--split", help="only clips of this split (e.g. val)")
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
     pack.set_defaults(func=_pack)
+
+    long_form = sub.add_parser("long-form", help="join each voice's clips into long recordings (60-120 s, "
+                               "several Whisper windows each) for server benchmarks; prints its manifest path")
+    long_form.add_argument("--manifest", type=Path, action="append", required=True,
+                           help="JSONL manifest (repeatable), e.g. librispeech-mini/manifest.jsonl")
+    long_form.add_argument("--out", type=Path, required=True, help="output folder")
+    long_form.add_argument("--split", help="only clips of this split (e.g. val)")
+    long_form.add_argument("--min-seconds", type=float, default=60.0, help="shortest file (default 60)")
+    long_form.add_argument("--max-seconds", type=float, default=120.0, help="longest file (default 120)")
+    long_form.add_argument("--gap-seconds", type=float, default=0.6, help="pause between parts")
+    long_form.add_argument("--quiet", action="store_true", help="no progress bar")
+    long_form.set_defaults(func=_long_form)
 
     voices = sub.add_parser("voices", help="list the voices and whether each is installed")
     voices.set_defaults(func=_voices)
@@ -93,7 +106,15 @@ def _pack(args: argparse.Namespace) -> int:
     from sglang_omni_flash.corpus.pack import pack_corpus
 
     print(pack_corpus(args.manifest, args.out, args.max_seconds, args.gap_seconds,
-                      progress=not args.quiet))
+                      progress=not args.quiet, split=args.split))
+    return 0
+
+
+def _long_form(args: argparse.Namespace) -> int:
+    from sglang_omni_flash.corpus.pack import long_form_corpus
+
+    print(long_form_corpus(args.manifest, args.out, args.split, args.min_seconds, args.max_seconds,
+                           args.gap_seconds, progress=not args.quiet))
     return 0
 
 
