@@ -177,11 +177,12 @@ def draft_round(requests: list[RoundRequest], options: SpecOptions, logits: Tens
         group.num = [r.num for r in members]
         k = max(group.num)
         anchors = [r.generated[-1] for r in members]
+        if group.mode == "sampled":  # settling needs them even where no member drafts this round
+            group.temperatures = torch.tensor([r.temperature for r in members], device=device)
         if k == 0:
             group.candidates = torch.zeros(len(members), 0, dtype=torch.long, device=device)
         elif logits is None:  # fixed tokens: a chain as given (sampling: a one-hot draft, made in settle)
             group.candidates = _rows(tokens, [row_of.get(i, 0) for i in group.members])[:, :k].to(device)
-            group.temperatures = torch.tensor([r.temperature for r in members], device=device)
         else:
             drafts = _rows(logits, [row_of.get(i, 0) for i in group.members])[:, :k]
             _draft_group(group, members, _with_bias(drafts, members), options, len(requests), generator)
@@ -231,7 +232,6 @@ def _draft_group(group: _Group, members: list[RoundRequest], logits: Tensor, opt
     elif group.mode == "timestamps":
         group.candidates, confidence = rules.draft_chain(logits, prefix)
     else:  # sampled: position j's prefix ends with candidate j-1 under timestamp rules
-        group.temperatures = torch.tensor([r.temperature for r in members], device=logits.device)
         if not rules.needs_prefix_tensors:
             shaped = rules.apply(logits, Prefix.lengths_only(prefix.min_length, prefix.max_length + k))
             group.draft_probs = _tempered(shaped, group.temperatures)
