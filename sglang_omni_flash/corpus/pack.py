@@ -83,16 +83,8 @@ def pack_corpus(manifests: Sequence[Path], out: Path, max_seconds: float = 28.0,
     Resumable: a packed WAV that already exists is not written again."""
     if not 1.0 <= max_seconds <= 30.0:
         raise UserError(f"--max-seconds must be within 1..30 (one Whisper window), got {max_seconds}")
-    if not 0.0 <= gap_seconds <= 2.0:
-        raise UserError(f"--gap-seconds must be within 0..2, got {gap_seconds}")
-    clips = [c for c in read_manifests(manifests) if split is None or c.split == split]
-    if not clips:
-        raise UserError(f"the manifests list no clips{f' of split {split!r}' if split else ''}")
-    packs = plan_packs(clips, max_seconds, gap_seconds)
-    wav_dir = out / "wav"
-    wav_dir.mkdir(parents=True, exist_ok=True)
-    packed = list(_write_packs(packs, wav_dir, gap_seconds, progress))
-    return write_manifest(out / "manifest.jsonl", packed)
+    clips = _clips_of(manifests, split, gap_seconds)
+    return _write_corpus(plan_packs(clips, max_seconds, gap_seconds), out, gap_seconds, progress, "packed")
 
 
 def long_form_corpus(manifests: Sequence[Path], out: Path, split: str | None = None,
@@ -103,22 +95,33 @@ def long_form_corpus(manifests: Sequence[Path], out: Path, split: str | None = N
     if not 30.0 < min_seconds <= max_seconds <= 3600.0:
         raise UserError(f"long-form files need 30 < --min-seconds <= --max-seconds <= 3600, "
                         f"got {min_seconds} and {max_seconds}")
+    files = plan_long_files(_clips_of(manifests, split, gap_seconds), min_seconds, max_seconds, gap_seconds)
+    if not files:
+        raise UserError(f"no voice has {min_seconds:g} s of speech to join")
+    return _write_corpus(files, out, gap_seconds, progress, "long")
+
+
+def _clips_of(manifests: Sequence[Path], split: str | None, gap_seconds: float) -> list[Utterance]:
+    """The manifests' clips of `split` (None: all), after checking the pause between parts."""
     if not 0.0 <= gap_seconds <= 2.0:
         raise UserError(f"--gap-seconds must be within 0..2, got {gap_seconds}")
     clips = [c for c in read_manifests(manifests) if split is None or c.split == split]
     if not clips:
         raise UserError(f"the manifests list no clips{f' of split {split!r}' if split else ''}")
-    files = plan_long_files(clips, min_seconds, max_seconds, gap_seconds)
-    if not files:
-        raise UserError(f"no voice has {min_seconds:g} s of speech to join")
+    return clips
+
+
+def _write_corpus(groups: list[list[Utterance]], out: Path, gap_seconds: float, progress: bool,
+                  prefix: str) -> Path:
+    """Each group joined into out/wav/PREFIX-NNNNN.wav, and their manifest; returns its path."""
     wav_dir = out / "wav"
     wav_dir.mkdir(parents=True, exist_ok=True)
-    joined = list(_write_packs(files, wav_dir, gap_seconds, progress, prefix="long"))
+    joined = list(_write_packs(groups, wav_dir, gap_seconds, progress, prefix))
     return write_manifest(out / "manifest.jsonl", joined)
 
 
 def _write_packs(packs: list[list[Utterance]], wav_dir: Path, gap_seconds: float,
-                 progress: bool, prefix: str = "packed") -> Iterator[Utterance]:
+                 progress: bool, prefix: str) -> Iterator[Utterance]:
     for index, pack in enumerate(tqdm(packs, desc=prefix, unit="file", disable=not progress)):
         clip_id = f"{prefix}-{index:05d}"
         wav = wav_dir / f"{clip_id}.wav"
