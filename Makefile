@@ -50,7 +50,7 @@ $(STAMP): $(LOCK) $(GPU_REQ) pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); \
 	echo "[setup] installing $(LOCK) into $(VENV) (first time: a minute with uv, several without)"; \
 	if $(BIN)/python -m pip install -q --disable-pip-version-check uv==0.13.9 2>&1 | sed "/^WARNING: Location/d" \
-	   && $(BIN)/uv pip install -q --no-cache --python $(BIN)/python --no-deps -r $(LOCK); then :; \
+	   && $(BIN)/uv pip install -q --no-cache --compile-bytecode --python $(BIN)/python --no-deps -r $(LOCK); then :; \
 	else echo "[setup] uv unavailable or failed: installing with pip"; \
 	  $(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK) 2>&1 | sed "/^WARNING: Location/d" || exit 1; \
 	fi; \

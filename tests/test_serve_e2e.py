@@ -11,7 +11,7 @@ import json
 import pytest
 import requests
 
-from sglang_omni_flash.serving.launch import Server, ServeOptions, live_group_members
+from sglang_omni_flash.serving.launch import ServeOptions, live_group_members
 from conftest import free_port, started_server, transformers_transcripts
 
 pytestmark = pytest.mark.server
@@ -142,10 +142,11 @@ def test_fallback_judged_every_window_and_retried_none_of_this_clean_speech(serv
     assert all(w["verdict"] == "ok" and w["temperature"] == 0.0 for w in fallback["recent"])
 
 
-def test_stop_by_pid_leaves_no_process(base_model_dir, tmp_path):
-    """A second server on another port starts, serves /health, and is gone after stop()."""
-    options = ServeOptions(dtype="float32", model=str(base_model_dir), port=free_port(), log_file=tmp_path / "log")
-    with Server(options) as srv:
-        pid = srv.process.pid
-        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
-    assert live_group_members(pid) == []
+def test_stop_by_pid_leaves_no_process(server):
+    """Last in this module: the module's server (healthy until now) is stopped and every process of
+    its group (sgl-omni and its stage workers) is gone; its fixture's own stop is then a no-op."""
+    pid = server.process.pid
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert len(live_group_members(pid)) >= 2  # the launcher and at least one stage worker
+    server.stop()
+    assert server.process is None and live_group_members(pid) == []

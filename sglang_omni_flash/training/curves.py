@@ -11,7 +11,7 @@ class TrainingLog:
     """log.csv of a training run: one row per update and per validation (appended as it runs)."""
 
     FIELDS = ("step", "loss", "lr", "seconds", "val_tau", "val_first", "val_loss", "val_rollout_tau", "val_first_top4",
-              "val_rollout_by_set")
+              "val_rollout_by_set", "report_rollout_by_set")
 
     def __init__(self, path: Path, fresh: bool):
         self.path = path

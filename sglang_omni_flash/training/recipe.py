@@ -48,7 +48,9 @@ EVAL_MODES = {
     "tree": {},
     "timestamps": {"min_draft_prob": 0.0, "tree_nodes": 0, "timestamps": True},
 }
-USES = ("train", "validation", "evaluate")
+# validation: picks the checkpoint and the merge; report: validated and logged beside it, never
+# selected on (speakers whose figures are reported, so nothing was chosen on them)
+USES = ("train", "validation", "report", "evaluate")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Corpus:
     name: str
     use: tuple[str, ...]  # subset of USES
     manifest: str = ""  # a manifest to take clips from ...
-    select: dict = field(default_factory=dict)  # ... optionally only ids whose `pattern` group 1 is in [from, to]
+    select: dict = field(default_factory=dict)  # ... optionally filtered (select_clips: id pattern, split, voices)
     synth: dict = field(default_factory=dict)  # ... or a synthetic corpus: n, seed, split, text
     librivox: bool = False  # ... or the LibriVox reading
     librispeech: str = ""  # ... or a LibriSpeech tree (GPU recipes; no packing or augmentation)
@@ -127,6 +129,9 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
         for key in ("manifest", "librispeech", "dataset"):
             if spec.get(key):
                 spec[key] = _expand(spec[key], base)
+        if set(spec.get("select") or {}) - SELECT_KEYS:
+            raise UserError(f"recipe {path}: corpus {name}: select keys are {sorted(SELECT_KEYS)}, "
+                            f"got {sorted(spec['select'])}")
         try:
             corpora.append(Corpus(name=name, use=use, **spec))
         except TypeError as exc:
@@ -137,7 +142,7 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from names no other corpus ({c.clips_from})")
         if c.clips_from and by_name[c.clips_from].clips_from:
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from must name a corpus with clips of its own")
-        if c.timestamps and not {"train", "validation"} & set(c.use):
+        if c.timestamps and not {"train", "validation", "report"} & set(c.use):
             raise UserError(f"recipe {path}: corpus {c.name}: timestamps shape the teacher's decodes; evaluation "
                             "decodes with timestamps under `evaluate: modes: [timestamps]`")
     if not any("train" in c.use for c in corpora):
@@ -254,7 +259,7 @@ class RecipeRun:
         options = ExtractOptions(model=self.recipe.model, threads=self.threads, **({"shard_size": 32} | e))
         extractors = {}  # by `timestamps`: the engine's prompt and logit rules are fixed per engine
         out = {}
-        for corpus in self.recipe.corpora_for("train") + self.recipe.corpora_for("validation"):
+        for corpus in [c for c in self.recipe.corpora if {"train", "validation", "report"} & set(c.use)]:
             if corpus.timestamps not in extractors:
                 extractors[corpus.timestamps] = TeacherExtractor(dataclasses.replace(options, timestamps=corpus.timestamps))
                 print(f"[recipe] extract: {engine_line(extractors[corpus.timestamps].engine)}"
@@ -300,7 +305,8 @@ class RecipeRun:
         t = dict(self.recipe.train)
         t.pop("init", None)
         t.pop("ablations", None)
-        known = set(TrainOptions.__dataclass_fields__) - {"teacher", "validation", "out", "model", "init", "threads"}
+        known = set(TrainOptions.__dataclass_fields__) - {"teacher", "validation", "report", "out", "model", "init",
+                                                          "threads"}
         unknown = set(t) - known
         if unknown:
             raise UserError(f"recipe {self.recipe.path}: unknown train keys {sorted(unknown)}")
@@ -309,6 +315,7 @@ class RecipeRun:
         return TrainOptions(
             teacher=tuple(str(self.teacher_dir(c)) for c in self.recipe.corpora_for("train")),
             validation=tuple(str(self.teacher_dir(c)) for c in self.recipe.corpora_for("validation")),
+            report=tuple(str(self.teacher_dir(c)) for c in self.recipe.corpora_for("report")),
             out=str(self.work / "train"), model=self.recipe.model, init=self.warm_start(), threads=self.threads, **t,
         )
 
@@ -327,7 +334,7 @@ class RecipeRun:
         options = self.train_options()
         main = Trainer(options, progress=self.progress)
         summary = {"main": main.run()}
-        data = (main.train_index, main.train, main.val_sets)
+        data = (main.train_index, main.train, main.val_sets, main.report_sets)
         del main  # its acoustic cache; the loaded utterances (and their recomputed encoder outputs) stay
         final = self.work / "drafter"
         if final.exists():
@@ -380,15 +387,30 @@ class RecipeRun:
                 for label, per in results.items()}
 
 
+SELECT_KEYS = {"pattern", "from", "to", "split", "voices"}
+
+
 def select_clips(clips, select: dict):
-    """Clips whose id matches `pattern` with group 1 (an integer, e.g. an ARCTIC prompt number) in [from, to]."""
-    pattern = re.compile(select["pattern"])
+    """Clips that pass every filter `select` names: `pattern` with group 1 (an integer, e.g. an ARCTIC
+    prompt number) in [`from`, `to`]; the manifest's `split`; `voices` (a list of manifest voices,
+    e.g. real:librispeech-19, so validation speakers can be split into selection and report sets)."""
+    unknown = set(select) - SELECT_KEYS
+    if unknown:
+        raise UserError(f"selection {select}: unknown keys {sorted(unknown)} (known: {sorted(SELECT_KEYS)})")
+    pattern = re.compile(select["pattern"]) if "pattern" in select else None
     lo, hi = int(select.get("from", 0)), int(select.get("to", 10**9))
+    voices = set(select.get("voices") or ())
     kept = []
     for clip in clips:
-        m = pattern.search(clip.id)
-        if m and lo <= int(m.group(1)) <= hi:
-            kept.append(clip)
+        if pattern is not None:
+            m = pattern.search(clip.id)
+            if not (m and lo <= int(m.group(1)) <= hi):
+                continue
+        if "split" in select and getattr(clip, "split", None) != select["split"]:
+            continue
+        if voices and clip.voice not in voices:
+            continue
+        kept.append(clip)
     if not kept:
         raise UserError(f"selection {select} keeps no clip")
     return kept

@@ -55,6 +55,9 @@ class TrainOptions:
     teacher: tuple[str, ...]  # teacher extraction folders (training data)
     out: str  # output folder: state/, best/, log.csv, learning_curve.png, summary.json
     validation: tuple[str, ...] = ()  # teacher folders of held-out voices/texts (checkpoint selection)
+    # teacher folders validated and logged beside them but never used to select (speakers kept apart
+    # so the figures reported on them were not chosen on them)
+    report: tuple[str, ...] = ()
     model: str = "base"  # the target the teacher data came from (embedding, head, initialisation)
     steps: int = 1000
     batch_size: int = 4  # utterances per update (paper: 4)
@@ -86,7 +89,7 @@ class TrainOptions:
     def fixed(self) -> dict:
         """What a resumed run must agree on."""
         d = asdict(self)
-        for k in ("out", "threads", "eval_every", "checkpoint_every", "device", "merge"):
+        for k in ("out", "threads", "eval_every", "checkpoint_every", "device", "merge", "report"):
             d.pop(k)
         return d
 
@@ -129,15 +132,11 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
 
         if data is not None:
-            self.train_index, self.train, self.val_sets = data
+            self.train_index, self.train, self.val_sets, self.report_sets = data
         else:
             self.train_index, self.train = self._load(options.teacher, progress)
-            self.val_sets = {}
-            for folder in options.validation:  # each folder reported on its own (real / synthetic)
-                name = Path(folder).name
-                while name in self.val_sets:
-                    name += "+"
-                self.val_sets[name] = self._load([folder], progress)[1]
+            self.val_sets = self._load_sets(options.validation, progress)
+            self.report_sets = self._load_sets(options.report, progress)
         self.val = [u for utts in self.val_sets.values() for u in utts]
         if not self.train:
             raise UserError("the teacher folders hold no usable utterance")
@@ -319,6 +318,16 @@ class Trainer:
         self.step += 1
         return float(loss.detach())
 
+    def _load_sets(self, folders, progress: bool) -> dict[str, list]:
+        """Teacher folders by name, each validated and reported on its own (real / synthetic)."""
+        sets = {}
+        for folder in folders:
+            name = Path(folder).name
+            while name in sets:
+                name += "+"
+            sets[name] = self._load([folder], progress)[1]
+        return sets
+
     @torch.no_grad()
     def validate(self, utts=None, max_anchors: int = 24) -> dict:
         """Greedy accepted-prefix statistics over (up to max_anchors per utterance) anchors of held-out data:
@@ -367,6 +376,11 @@ class Trainer:
         if utts is None:
             metrics["sets"] = per_set
             metrics["worst_gain"] = merge.worst_gain(_set_taus(metrics), self.baseline)
+            metrics["report"] = {}
+            for name, part_utts in self.report_sets.items():  # logged, never compared by `select`
+                tokens, rounds, first = self._replay(part_utts)
+                metrics["report"][name] = {"rollout_tau": packing.rollout_tau(tokens, rounds, len(part_utts)),
+                                           "rollout_first": first / max(1, rounds)}
         return metrics
 
     def _replay(self, utts) -> tuple[int, int, int]:
@@ -515,7 +529,9 @@ def _val_row(metrics: dict) -> dict:
     """The log.csv columns of one validation."""
     return {"val_tau": metrics["tau"], "val_first": metrics["first"], "val_loss": metrics["loss"],
             "val_rollout_tau": metrics["rollout_tau"], "val_first_top4": metrics["first_top4"],
-            "val_rollout_by_set": " ".join(f"{name}:{tau:.3f}" for name, tau in _set_taus(metrics).items())}
+            "val_rollout_by_set": " ".join(f"{name}:{tau:.3f}" for name, tau in _set_taus(metrics).items()),
+            "report_rollout_by_set": " ".join(f"{name}:{v['rollout_tau']:.3f}"
+                                              for name, v in metrics.get("report", {}).items())}
 
 
 def _to(batch: packing.PackedBatch, device) -> packing.PackedBatch:

@@ -27,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--teacher", action="append", default=[], metavar="DIR", help="teacher folder (repeatable)")
     tr.add_argument("--validation", action="append", default=[], metavar="DIR",
                     help="teacher folder of held-out voices/speakers (repeatable)")
+    tr.add_argument("--report", action="append", default=[], metavar="DIR",
+                    help="teacher folder validated and logged, never used to select (repeatable)")
     tr.add_argument("--out", help="output folder")
     tr.add_argument("--model", default=d.model, help="the target the teacher data came from (default base)")
     tr.add_argument("--steps", type=int, default=d.steps)
@@ -104,11 +106,11 @@ def _train(args) -> int:
         raise UserError(f"--onpolicy must be between 0 and 1, got {args.onpolicy}")
     if args.no_audio and args.no_history:
         raise UserError("--no-audio and --no-history together leave the drafter nothing to read")
-    for folder in [*args.teacher, *args.validation]:
+    for folder in [*args.teacher, *args.validation, *args.report]:
         if not (Path(folder) / "teacher.json").is_file():
             raise UserError(f"{folder} is not a teacher extraction (run `whisper-flash extract --out {folder}`)")
     options = TrainOptions(
-        teacher=tuple(args.teacher), validation=tuple(args.validation), out=args.out, model=args.model,
+        teacher=tuple(args.teacher), validation=tuple(args.validation), report=tuple(args.report), out=args.out, model=args.model,
         steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
