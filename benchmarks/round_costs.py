@@ -9,6 +9,14 @@ Per dtype and batch size B (2 threads, median of repeats, nothing else should ru
   real decoding    the pacer's averages over the first clips of the test set: a round and a plain
                    step as the engine runs them (host work, rules, accept, tree build included)
 These are the figures the per-dtype defaults in engine/options.py come from (docs/engine.md).
+With --breakdown, where a real round's and a real plain step's time goes instead, from torch.profiler
+over a decode of the clips (the loop's record_function labels; rounds forced, the pacer off):
+  round  draft (history projection, drafter body, draft-vocabulary head, scatter to the full
+         vocabulary), plan (logit rules, chain / tree), verify (row-invariant linears, attention,
+         the tied head, the rest), settle (the accept rule), commit (K/V moves, history, bookkeeping),
+         and the loop's own Python around them
+  step   verify (the same parts), commit, pick (rules, argmax, scores), Python
+ms per round / step under the profiler (which adds a few percent), beside the unprofiled wall times.
 Writes one JSON object to stdout.
 """
 
@@ -72,6 +80,83 @@ def measure(model: str, dtype: str, batch: int, clips) -> dict:
     return out
 
 
+# profiler events counted as one part wherever they run (not looked into further)
+PARTS = ("drafter.history", "drafter.head", "drafter.scatter", "target.head", "whisper_flash::row_linear",
+         "whisper_flash::row_attention")
+
+
+def _parts_below(event, out: dict) -> None:
+    for child in event.cpu_children:
+        if child.name in PARTS:
+            out[child.name] = out.get(child.name, 0.0) + child.cpu_time_total
+        else:
+            _parts_below(child, out)
+
+
+def _split(label: str, total: float, parts: dict) -> dict:
+    """One labelled stage's microseconds, split into named parts and the rest."""
+    if label.endswith(".draft"):
+        named = {"history": parts.get("drafter.history", 0.0), "head": parts.get("drafter.head", 0.0),
+                 "scatter": parts.get("drafter.scatter", 0.0)}
+        return {"body": total - sum(named.values()), **named}
+    if label.endswith(".verify"):
+        named = {"linears": parts.get("whisper_flash::row_linear", 0.0),
+                 "attention": parts.get("whisper_flash::row_attention", 0.0), "head": parts.get("target.head", 0.0)}
+        return {**named, "other": total - sum(named.values())}
+    return {}
+
+
+def profile_breakdown(engine, features, speculative: bool) -> dict:
+    """ms per round (speculative) or per plain step, by stage and part, over one decode of `features`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.decode(features, speculative=speculative)
+    top = "round" if speculative else "step"
+    count, stages = 0, {}
+    for event in prof.events():
+        if event.name != top:
+            continue
+        count += 1
+        inside = 0.0
+        for child in event.cpu_children:
+            if not child.name.startswith(top + "."):
+                continue
+            stage = stages.setdefault(child.name.split(".", 1)[1], {"ms": 0.0, "parts": {}})
+            stage["ms"] += child.cpu_time_total
+            inside += child.cpu_time_total
+            parts = {}
+            _parts_below(child, parts)
+            for name, us in _split(child.name, child.cpu_time_total, parts).items():
+                stage["parts"][name] = stage["parts"].get(name, 0.0) + us
+        python = stages.setdefault("python", {"ms": 0.0, "parts": {}})
+        python["ms"] += event.cpu_time_total - inside
+    per = max(1, count)
+    return {"count": count, "ms": round(sum(s["ms"] for s in stages.values()) / per / 1000, 3),
+            "stages": {name: {"ms": round(s["ms"] / per / 1000, 3),
+                              **({"parts": {k: round(v / per / 1000, 3) for k, v in s["parts"].items()}}
+                                 if s["parts"] else {})}
+                       for name, s in stages.items()}}
+
+
+def measure_breakdown(model: str, dtype: str, batch: int, clips) -> dict:
+    from sglang_omni_flash.engine.engine import WhisperFlashEngine
+    from sglang_omni_flash.engine.options import EngineOptions
+
+    engine = WhisperFlashEngine(EngineOptions(model=model, dtype=dtype, batch_size=batch).with_(pace=False))
+    features = engine.features([c.audio for c in clips])
+    engine.decode(features[:batch], speculative=True)  # one-time kernel and drafter set-up
+    out = {"dtype": dtype, "batch": batch, "clips": len(clips)}
+    for speculative in (True, False):
+        start = time.perf_counter()
+        engine.decode(features, speculative=speculative)
+        wall = time.perf_counter() - start
+        key = "round" if speculative else "step"
+        out[key] = profile_breakdown(engine, features, speculative)
+        out[key]["decode_wall_s"] = round(wall, 3)
+    return out
+
+
 def main() -> int:
     from sglang_omni_flash.corpus.manifest import read_manifest
     from sglang_omni_flash.corpus.synth import build_test_set
@@ -83,15 +168,28 @@ def main() -> int:
     p.add_argument("--model", default="base")
     p.add_argument("--dtypes", default="float32")
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--breakdown", action="store_true", help="where a round's and a step's time goes (profiler)")
+    p.add_argument("--manifest", help="clips to decode for --breakdown (default: the test set's first 16)")
+    p.add_argument("--clips", type=int, default=16, help="how many clips of the manifest (default 16)")
     args = p.parse_args()
     torch.set_num_threads(2)
     _quiet_transformers()
-    clips = read_manifest(build_test_set(audio_dir(), progress=False).combined)
+    from pathlib import Path
+
+    if args.manifest:
+        from sglang_omni_flash.errors import UserError
+
+        if not Path(args.manifest).is_file():
+            raise UserError(f"--manifest {args.manifest} does not exist")
+        clips = read_manifest(Path(args.manifest))
+    else:
+        clips = read_manifest(build_test_set(audio_dir(), progress=False).combined)
     report = {"cpu": cpu_summary(), "model": args.model, "threads": 2, "runs": []}
     for dtype in args.dtypes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             print(f"round_costs: {dtype}, batch {batch}", file=sys.stderr)
-            report["runs"].append(measure(args.model, dtype, batch, clips[:16]))
+            run = measure_breakdown if args.breakdown else measure
+            report["runs"].append(run(args.model, dtype, batch, clips[: args.clips]))
     print(json.dumps(report, indent=1))
     return 0
 

@@ -76,7 +76,7 @@ def test_sampled_retries_keep_whispers_distribution_under_speculation(engine, en
     agree (two-sample total variation per position, as the accept-level sampling test)."""
     copies = encoded[1:2].expand(160, -1, -1).contiguous()
     forced = dict(temperature_fallback=(1.0,), logprob_threshold=0.0, no_speech_threshold=None,
-                  compression_ratio_threshold=None, max_new_tokens=5, batch_size=8, seed=9)
+                  compression_ratio_threshold=None, max_new_tokens=4, batch_size=8, seed=9)
     spec = run(engine, copies, True, **forced)
     plain = run(engine, copies, False, **forced)
     assert all(r.temperature == 1.0 for r in spec + plain)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.profiler import record_function
 
 from sglang_omni_flash.engine.kv_cache import compact_rows
 from sglang_omni_flash.engine.speculative import Proposal, RoundInputs
@@ -208,7 +209,8 @@ class DrafterProposer:
         return hist, acoustic
 
     def propose(self, inputs: RoundInputs) -> Proposal:
-        self._catch_up()
+        with record_function("drafter.history"):  # pending history projected, K/V compacted
+            self._catch_up()
         n = inputs.anchor.shape[0]
         if self.graphs_on and not self._graph_failed:
             return Proposal(logits=self._propose_graph(inputs.anchor, inputs.anchor_pos))

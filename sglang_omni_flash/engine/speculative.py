@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.profiler import record_function
 
 from sglang_omni_flash.flash.logit_rules import LogitRules, Prefix
 from sglang_omni_flash.flash.options import SpecOptions
@@ -237,16 +238,23 @@ class SpeculativeDecoder:
 
     def step(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
         """The baseline: one target call, one token per request."""
+        with record_function("step"):
+            return self._step(rows, results)
+
+    def _step(self, rows: list[_Row], results: list[DecodeResult]) -> list[_Row]:
         anchor = torch.tensor([[r.generated[-1]] for r in rows], dtype=torch.long, device=self.device)
         positions = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long, device=self.device)
         kv_len = max(r.cache_len for r in rows) + 1
-        logits, states = self.backend.verify(anchor, positions, kv_len, want_history=self.proposer is not None)
-        if self.proposer is not None:
-            self.proposer.observe(states, positions)
-        for row in rows:
-            row.cache_len += 1
-        self.backend.commit([r.cache_len for r in rows])
-        return self._plain_tokens(rows, results, logits[:, 0])
+        with record_function("step.verify"):
+            logits, states = self.backend.verify(anchor, positions, kv_len, want_history=self.proposer is not None)
+        with record_function("step.commit"):
+            if self.proposer is not None:
+                self.proposer.observe(states, positions)
+            for row in rows:
+                row.cache_len += 1
+            self.backend.commit([r.cache_len for r in rows])
+        with record_function("step.pick"):
+            return self._plain_tokens(rows, results, logits[:, 0])
 
     def _plain_tokens(self, rows: list[_Row], results: list[DecodeResult], logits: torch.Tensor) -> list[_Row]:
         """Each row's next token from its logits [n, V] under the rules (argmax, or a draw), scored."""
@@ -267,6 +275,11 @@ class SpeculativeDecoder:
 
     def round(self, rows: list[_Row], results: list[DecodeResult], num: list[int]) -> list[_Row]:
         """One round (`flash.rounds`): draft, verify every block in one pass, commit what settled."""
+        # the labels name a round's parts for benchmarks/round_costs.py --breakdown (torch.profiler)
+        with record_function("round"):
+            return self._round(rows, results, num)
+
+    def _round(self, rows: list[_Row], results: list[DecodeResult], num: list[int]) -> list[_Row]:
         n, k = len(rows), max(num)
         anchor = torch.tensor([r.generated[-1] for r in rows], dtype=torch.long, device=self.device)
         anchor_pos = torch.tensor([r.cache_len for r in rows], dtype=torch.long, device=self.device)
@@ -274,28 +287,36 @@ class SpeculativeDecoder:
         inputs = RoundInputs(
             anchor, anchor_pos, kv_len, k, [self.request_ids[r.rid] for r in rows], [r.generated for r in rows]
         )
-        proposal = self.proposer.propose(inputs)
-        requests = [RoundRequest(r.generated, n_i, self.rules, self.temperature, stops=self.stops)
-                    for r, n_i in zip(rows, num)]
-        plan = draft_round(requests, self.spec, logits=proposal.logits, tokens=proposal.tokens,
-                           generator=self.generator)
+        with record_function("round.draft"):
+            proposal = self.proposer.propose(inputs)
+        with record_function("round.plan"):
+            requests = [RoundRequest(r.generated, n_i, self.rules, self.temperature, stops=self.stops)
+                        for r, n_i in zip(rows, num)]
+            plan = draft_round(requests, self.spec, logits=proposal.logits, tokens=proposal.tokens,
+                               generator=self.generator)
 
-        # verify: every block padded to T rows (block row r in slot t + r, at position t + depth)
-        t = max(len(b) for b in plan.blocks)
-        pad = [t - len(b) for b in plan.blocks]
-        tokens = torch.tensor([b.tokens + [b.tokens[-1]] * p for b, p in zip(plan.blocks, pad)], device=self.device)
-        slots = anchor_pos[:, None] + torch.arange(t, device=self.device)
-        width = kv_len + t - 1
-        if all(b.is_chain for b in plan.blocks):  # causal by position (the padding rows are never read)
-            logits, states = self.backend.verify(tokens, slots, width, want_history=True)
-        else:  # a padding row hangs off the anchor at depth 1
-            depth = torch.tensor([b.depth + [1] * p for b, p in zip(plan.blocks, pad)], device=self.device)
-            parent = torch.tensor([b.parent[1:] + [0] * p for b, p in zip(plan.blocks, pad)], device=self.device)
-            logits, states = self.backend.verify(tokens, anchor_pos[:, None] + depth, width, want_history=True,
-                                                 slots=slots, attn_mask=tree_attention_mask(parent, anchor_pos, width))
-        settled = settle_round(plan, logits.view(n * t, -1), [i * t for i in range(n)], self.generator)
+        with record_function("round.verify"):  # every block padded to T rows (row r in slot t + r, at t + depth)
+            t = max(len(b) for b in plan.blocks)
+            pad = [t - len(b) for b in plan.blocks]
+            tokens = torch.tensor([b.tokens + [b.tokens[-1]] * p for b, p in zip(plan.blocks, pad)],
+                                  device=self.device)
+            slots = anchor_pos[:, None] + torch.arange(t, device=self.device)
+            width = kv_len + t - 1
+            if all(b.is_chain for b in plan.blocks):  # causal by position (the padding rows are never read)
+                logits, states = self.backend.verify(tokens, slots, width, want_history=True)
+            else:  # a padding row hangs off the anchor at depth 1
+                depth = torch.tensor([b.depth + [1] * p for b, p in zip(plan.blocks, pad)], device=self.device)
+                parent = torch.tensor([b.parent[1:] + [0] * p for b, p in zip(plan.blocks, pad)], device=self.device)
+                logits, states = self.backend.verify(tokens, anchor_pos[:, None] + depth, width, want_history=True,
+                                                     slots=slots,
+                                                     attn_mask=tree_attention_mask(parent, anchor_pos, width))
+        with record_function("round.settle"):
+            settled = settle_round(plan, logits.view(n * t, -1), [i * t for i in range(n)], self.generator)
+        with record_function("round.commit"):  # the kept rows' K/V to positions t.., their history states
+            self._commit_round(rows, results, settled, anchor_pos, states)
+        return self._finish(rows)
 
-        # commit: the kept rows' K/V to positions t.., their history states to the drafter
+    def _commit_round(self, rows, results, settled, anchor_pos, states) -> None:
         kept = max(len(s.rows) for s in settled)
         moves = move_plan(anchor_pos.tolist(), [s.rows[1:] for s in settled], kept - 1)
         if moves is not None:
@@ -318,7 +339,6 @@ class SpeculativeDecoder:
             row.cache_len += len(s.rows)
             row.generated.extend(s.emitted)
         self.backend.commit([r.cache_len for r in rows])
-        return self._finish(rows)
 
     # -- helpers ------------------------------------------------------------------------------
     def _finish(self, rows: list[_Row]) -> list[_Row]:

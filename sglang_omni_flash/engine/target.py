@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
 from sglang_omni_flash.kernels import linear as row_linear
@@ -162,7 +163,8 @@ class WhisperTarget:
                 history_out[:n, :t, slot] = h
         if last_only:
             h = h[:, -1:]
-        logits = self.head(_ln(h, self.final_ln))
+        with record_function("target.head"):  # a label for benchmarks/round_costs.py --breakdown
+            logits = self.head(_ln(h, self.final_ln))
         history = history_out[:n, :t] if self.history_layers else None
         return logits, history
 

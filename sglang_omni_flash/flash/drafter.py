@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 from transformers.activations import ACT2FN
 
 from sglang_omni_flash.flash.cpu_linear import FrozenLinear, PackedLinear
@@ -423,11 +424,13 @@ class WhisperFlashDrafter(nn.Module):
         With a draft vocabulary: full=True scatters them into [..., vocab] (-inf elsewhere, so no
         other token is ever proposed); full=False returns [..., draft_vocab_size] (training)."""
         head = self._require_target().output_head
-        small = self._head_rows(head)(h.to(head.weight.dtype))
+        with record_function("drafter.head"):  # a label for benchmarks/round_costs.py --breakdown
+            small = self._head_rows(head)(h.to(head.weight.dtype))
         if not full or not self.config.draft_vocab_size:
             return small
-        out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., self.draft_vocab] = small
+        with record_function("drafter.scatter"):
+            out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+            out[..., self.draft_vocab] = small
         return out
 
     def _head_rows(self, head: nn.Linear) -> FrozenLinear:
