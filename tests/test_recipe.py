@@ -156,7 +156,7 @@ def test_shipped_recipes_load_and_name_their_warm_start_commit():
         assert voices["librispeech-report"] == voices["librispeech-report-clips"] == {
             "real:librispeech-5789", "real:librispeech-669"}
         assert recipe.corpus("librispeech-train").select == {"split": "train"}
-        assert recipe.corpus("librispeech-train").pack == 25  # ~100-token windows, as served
+        assert recipe.corpus("librispeech-train").pack == 28  # ~100-token windows, as served
         # srt / vtt decodes: part of the training clips and a validation set again, with timestamps
         stamped = [c for c in recipe.corpora if c.timestamps]
         assert {c.clips_from for c in stamped} == {"librispeech-train", "synth-train", "arctic-train", "synth-val"}
