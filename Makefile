@@ -8,8 +8,8 @@
 #
 # Set-up (idempotent, fast when nothing changed): Debian packages from configs/apt.txt,
 # .venv from the pinned lock (configs/requirements-*.lock, installed --no-deps because
-# sglang 0.5.22 pins an sdist-only cuda-tile; see docs/install.md; with uv from PyPI when it
-# installs, 20 s instead of pip's 135 s for the 7.6 GB lock, else with pip), this package
+# sglang 0.5.22 pins an sdist-only cuda-tile; see docs/install.md; with uv from PyPI and
+# bytecode when it installs, 43 s instead of pip's 135 s for the 7.6 GB lock, else with pip), this package
 # (editable), the embedded model(s) and the test audio in the user cache directory.
 
 SHELL := /bin/bash

@@ -51,6 +51,7 @@ EVAL_MODES = {
 # validation: picks the checkpoint and the merge; report: validated and logged beside it, never
 # selected on (speakers whose figures are reported, so nothing was chosen on them)
 USES = ("train", "validation", "report", "evaluate")
+TEACHER_USES = {"train", "validation", "report"}  # the corpora the teacher decodes (extraction)
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,10 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
         for key in ("manifest", "librispeech", "dataset"):
             if spec.get(key):
                 spec[key] = _expand(spec[key], base)
-        if set(spec.get("select") or {}) - SELECT_KEYS:
-            raise UserError(f"recipe {path}: corpus {name}: select keys are {sorted(SELECT_KEYS)}, "
-                            f"got {sorted(spec['select'])}")
+        try:
+            check_select(spec.get("select") or {})
+        except UserError as exc:
+            raise UserError(f"recipe {path}: corpus {name}: {exc}") from None
         try:
             corpora.append(Corpus(name=name, use=use, **spec))
         except TypeError as exc:
@@ -142,7 +144,7 @@ def load_recipe(path: str | Path, work: str | None = None) -> Recipe:
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from names no other corpus ({c.clips_from})")
         if c.clips_from and by_name[c.clips_from].clips_from:
             raise UserError(f"recipe {path}: corpus {c.name}: clips_from must name a corpus with clips of its own")
-        if c.timestamps and not {"train", "validation", "report"} & set(c.use):
+        if c.timestamps and not TEACHER_USES & set(c.use):
             raise UserError(f"recipe {path}: corpus {c.name}: timestamps shape the teacher's decodes; evaluation "
                             "decodes with timestamps under `evaluate: modes: [timestamps]`")
     if not any("train" in c.use for c in corpora):
@@ -259,7 +261,7 @@ class RecipeRun:
         options = ExtractOptions(model=self.recipe.model, threads=self.threads, **({"shard_size": 32} | e))
         extractors = {}  # by `timestamps`: the engine's prompt and logit rules are fixed per engine
         out = {}
-        for corpus in [c for c in self.recipe.corpora if {"train", "validation", "report"} & set(c.use)]:
+        for corpus in [c for c in self.recipe.corpora if TEACHER_USES & set(c.use)]:
             if corpus.timestamps not in extractors:
                 extractors[corpus.timestamps] = TeacherExtractor(dataclasses.replace(options, timestamps=corpus.timestamps))
                 print(f"[recipe] extract: {engine_line(extractors[corpus.timestamps].engine)}"
@@ -390,13 +392,17 @@ class RecipeRun:
 SELECT_KEYS = {"pattern", "from", "to", "split", "voices"}
 
 
+def check_select(select: dict) -> None:
+    unknown = set(select) - SELECT_KEYS
+    if unknown:
+        raise UserError(f"selection {select}: unknown keys {sorted(unknown)}; select keys are {sorted(SELECT_KEYS)}")
+
+
 def select_clips(clips, select: dict):
     """Clips that pass every filter `select` names: `pattern` with group 1 (an integer, e.g. an ARCTIC
     prompt number) in [`from`, `to`]; the manifest's `split`; `voices` (a list of manifest voices,
     e.g. real:librispeech-19, so validation speakers can be split into selection and report sets)."""
-    unknown = set(select) - SELECT_KEYS
-    if unknown:
-        raise UserError(f"selection {select}: unknown keys {sorted(unknown)} (known: {sorted(SELECT_KEYS)})")
+    check_select(select)
     pattern = re.compile(select["pattern"]) if "pattern" in select else None
     lo, hi = int(select.get("from", 0)), int(select.get("to", 10**9))
     voices = set(select.get("voices") or ())

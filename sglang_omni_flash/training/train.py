@@ -355,8 +355,7 @@ class Trainer:
                 for j in range(self.options.block_size):
                     by_pos[j] += float((prefix > j).float().sum())
             tokens, rounds, first = self._replay(part_utts)
-            per_set[name] = {"rollout_tau": packing.rollout_tau(tokens, rounds, len(part_utts)),
-                             "rollout_first": first / max(1, rounds)}
+            per_set[name] = _rollout_figures(tokens, rounds, first, len(part_utts))
             for i, v in enumerate((tokens, rounds, first, len(part_utts))):
                 totals[i] += v
         prefix = torch.cat(prefixes)
@@ -376,11 +375,9 @@ class Trainer:
         if utts is None:
             metrics["sets"] = per_set
             metrics["worst_gain"] = merge.worst_gain(_set_taus(metrics), self.baseline)
-            metrics["report"] = {}
-            for name, part_utts in self.report_sets.items():  # logged, never compared by `select`
-                tokens, rounds, first = self._replay(part_utts)
-                metrics["report"][name] = {"rollout_tau": packing.rollout_tau(tokens, rounds, len(part_utts)),
-                                           "rollout_first": first / max(1, rounds)}
+            # logged, never compared by `select`
+            metrics["report"] = {name: _rollout_figures(*self._replay(part_utts), len(part_utts))
+                                 for name, part_utts in self.report_sets.items()}
         return metrics
 
     def _replay(self, utts) -> tuple[int, int, int]:
@@ -518,6 +515,11 @@ class Trainer:
         (self.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
         plot_curve(self.out / LOG_CSV, self.out / "learning_curve.png")
         return summary
+
+
+def _rollout_figures(tokens: int, rounds: int, first: int, utterances: int) -> dict:
+    """One validation folder's replayed decoding (`Trainer._replay`) as rollout tau and first."""
+    return {"rollout_tau": packing.rollout_tau(tokens, rounds, utterances), "rollout_first": first / max(1, rounds)}
 
 
 def _set_taus(metrics: dict) -> dict[str, float]:

@@ -110,7 +110,8 @@ def _train(args) -> int:
         if not (Path(folder) / "teacher.json").is_file():
             raise UserError(f"{folder} is not a teacher extraction (run `whisper-flash extract --out {folder}`)")
     options = TrainOptions(
-        teacher=tuple(args.teacher), validation=tuple(args.validation), report=tuple(args.report), out=args.out, model=args.model,
+        teacher=tuple(args.teacher), validation=tuple(args.validation), report=tuple(args.report), out=args.out,
+        model=args.model,
         steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         use_audio=not args.no_audio, use_history=not args.no_history,
