@@ -5,11 +5,13 @@ pass is checked against the plain server in test_integration_spec_server.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from sglang_omni_flash.integration.worker import cpu_model as cpu_decode
-from sglang_omni_flash.integration.worker.cpu_model import EncoderKeys, attend_row, attend_rows, slot_run
+from sglang_omni_flash.integration.worker.cpu_model import EncoderKV, attend_row, attend_rows, cross_keys, slot_run
 
 
 def test_slot_run_slices_only_one_ascending_run():
@@ -89,28 +91,38 @@ def test_attend_rows_gives_each_verify_row_the_bits_of_its_decode_step(dtype, ke
     assert torch.equal(whole, cached)
 
 
-def test_encoder_keys_are_transposed_once_and_forgotten_when_their_slots_are_written():
-    pool = torch.randn(4000, 8, 64)
-    keys = EncoderKeys()
-    kt = keys.transposed(layer_id=6, kbuf=pool, first=100, length=1500)
-    assert torch.equal(kt, pool[100:1600].permute(1, 2, 0)) and kt.is_contiguous()
-    assert keys.transposed(6, pool, 100, 1500) is kt  # kept: the next step reuses it
-    other = keys.transposed(7, pool, 100, 1500)
-    keys.written(6, torch.arange(2000, 3500))  # another request's slots: nothing of layer 6 overlaps
-    assert keys.transposed(6, pool, 100, 1500) is kt
-    pool[1599] += 1.0  # a new request's encoder states land on (some of) these slots ...
-    keys.written(6, torch.arange(1599, 3099))  # ... and the write is announced
-    fresh = keys.transposed(6, pool, 100, 1500)
-    assert fresh is not kt and torch.equal(fresh, pool[100:1600].permute(1, 2, 0))
-    assert keys.transposed(7, pool, 100, 1500) is other  # other layers' planes were not written
+def test_encoder_layouts_are_copied_once_and_forgotten_when_their_slots_are_written():
+    kpool, vpool = torch.randn(4000, 8, 64), torch.randn(4000, 8, 64)
+    cache = EncoderKV()
+    kt, vh = cache.layouts(layer_id=6, kbuf=kpool, vbuf=vpool, first=100, length=1500)
+    assert torch.equal(kt, kpool[100:1600].permute(1, 2, 0)) and kt.is_contiguous()
+    assert torch.equal(vh, vpool[100:1600].permute(1, 0, 2)) and vh.is_contiguous()
+    assert cache.layouts(6, kpool, vpool, 100, 1500)[0] is kt  # kept: the next step reuses it
+    other = cache.layouts(7, kpool, vpool, 100, 1500)
+    cache.written(6, torch.arange(2000, 3500))  # another request's slots: nothing of layer 6 overlaps
+    assert cache.layouts(6, kpool, vpool, 100, 1500)[1] is vh
+    kpool[1599] += 1.0  # a new request's encoder states land on (some of) these slots ...
+    cache.written(6, torch.arange(1599, 3099))  # ... and the write is announced
+    fresh, _ = cache.layouts(6, kpool, vpool, 100, 1500)
+    assert fresh is not kt and torch.equal(fresh, kpool[100:1600].permute(1, 2, 0))
+    assert cache.layouts(7, kpool, vpool, 100, 1500) is other  # other layers' planes were not written
 
-    small = EncoderKeys(max_bytes=2 * kt.numel() * 4)  # room for two blocks: the least recently used goes
-    a = small.transposed(6, pool, 0, 1500)
-    small.transposed(7, pool, 0, 1500)
-    small.transposed(6, pool, 0, 1500)  # a used again
-    small.transposed(8, pool, 0, 1500)
-    assert small.transposed(6, pool, 0, 1500) is a and (7, 0, 1500) not in small.entries
-    assert small.bytes == sum(t.numel() * 4 for t in small.entries.values())
+    small = EncoderKV(max_bytes=4 * kt.numel() * 4)  # room for two layers' pairs: the least recently used goes
+    a = small.layouts(6, kpool, vpool, 0, 1500)
+    small.layouts(7, kpool, vpool, 0, 1500)
+    small.layouts(6, kpool, vpool, 0, 1500)  # a used again
+    small.layouts(8, kpool, vpool, 0, 1500)
+    assert small.layouts(6, kpool, vpool, 0, 1500) is a and (7, 0, 1500) not in small.entries
+    assert small.bytes == sum(t.numel() * 4 for pair in small.entries.values() for t in pair)
+
+
+def test_cross_attention_over_the_head_major_copy_has_the_bits_of_the_pool_slice():
+    kpool, vpool = torch.randn(3000, 8, 64), torch.randn(3000, 8, 64)
+    q = torch.randn(3, 8, 64)
+    cache = EncoderKV()
+    k, v, kt = cross_keys(SimpleNamespace(layer_id=2), kpool, vpool, torch.arange(700, 2200), 700, cache)
+    assert v.shape == (1500, 8, 64) and v.stride() != vpool[700:2200].stride()
+    assert torch.equal(attend_rows(q, k, v, 0.125, kt=kt), attend_rows(q, kpool[700:2200], vpool[700:2200], 0.125))
 
 
 def test_tree_rows_have_depth_positions_and_ancestor_masks():
@@ -130,3 +142,69 @@ def test_tree_rows_have_depth_positions_and_ancestor_masks():
     chain = VerifyRow(row=0, encoder_len=1500, prefix_len=3, tokens=(50, 7, 8))
     assert chain.positions() == [3, 4, 5]
     assert chain.mask("cpu").int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_over_a_batchs_decoder_keys_gives_each_request_its_own_bits(dtype):
+    from sglang_omni_flash.kernels import attention as row_kernel
+
+    if not row_kernel.available():
+        pytest.skip("the row attention kernel cannot be built here")
+    torch.manual_seed(0)
+    kpool, vpool = torch.randn(9000, 8, 64).to(dtype), torch.randn(9000, 8, 64).to(dtype)
+    table = torch.zeros(6, 4000, dtype=torch.int32)
+    lengths, encoder_len = [3, 57, 1, 130], 1500  # one key too
+    free = torch.randperm(8999)[:sum(lengths) + 4 * encoder_len] + 1  # scattered slots, none is slot 0
+    used = 0
+    for row, n in zip((1, 4, 0, 5), lengths):
+        table[row, :encoder_len + n] = free[used: used + encoder_len + n].to(torch.int32)
+        used += encoder_len + n
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 4, 0, 5]), seq_lens=torch.tensor(lengths),
+                            encoder_lens=torch.tensor([encoder_len] * 4))
+    plan = cpu_decode._StepPlan.of(batch, table)
+    assert cpu_decode._StepPlan.of(batch, table) is plan  # worked out once per step, read by every layer
+    q = torch.randn(4, 8, 64).to(dtype)
+    kt = cpu_decode.dense(kpool[plan.self_slots].permute(0, 2, 3, 1))
+    together = row_kernel.row_attention(q[:, :, None, :], kt, vpool[plan.self_slots].permute(0, 2, 1, 3),
+                                        plan.limits, None, 0.125).reshape(4, -1)
+    for i, (row, n) in enumerate(zip((1, 4, 0, 5), lengths)):
+        slots = table[row, encoder_len: encoder_len + n].long()
+        alone = attend_rows(q[i: i + 1], kpool[slots], vpool[slots], 0.125)[0]
+        assert torch.equal(together[i], alone), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_over_each_requests_own_encoder_states_gives_the_bits_of_a_call_per_request(dtype):
+    from sglang_omni_flash.kernels import attention as row_kernel
+
+    if not row_kernel.available():
+        pytest.skip("the row attention kernel cannot be built here")
+    torch.manual_seed(1)
+    widths = [1500, 1500, 700, 1]
+    kts = [torch.randn(8, 64, w).to(dtype) for w in widths]
+    vs = [torch.randn(w, 8, 64).to(dtype).permute(1, 0, 2) for w in widths]  # strided, as a pool's values
+    vs[0] = vs[0].contiguous()  # and a head-major copy, as EncoderKV keeps
+    q = torch.randn(4, 8, 3, 64).to(dtype)
+    limit = torch.tensor([[1500, 900, 1], [1500, 1500, 1500], [700, 2, 699], [1, 1, 1]])
+    together = row_kernel.row_attention_each(q, kts, vs, limit, 0.125)
+    for b in range(4):
+        alone = row_kernel.row_attention(q[b: b + 1], kts[b][None], vs[b][None], limit[b: b + 1], None, 0.125)
+        assert torch.equal(together[b: b + 1], alone), b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_cross_attention_in_one_call_gives_each_requests_rows_their_own_bits(dtype):
+    from sglang_omni_flash.integration.worker.verify import cross_attention
+
+    torch.manual_seed(2)
+    kpool, vpool = torch.randn(5000, 8, 64).to(dtype), torch.randn(5000, 8, 64).to(dtype)
+    cache = EncoderKV()
+    encoder = [cross_keys(SimpleNamespace(layer_id=3), kpool, vpool, torch.arange(f, f + 1500), f, cache)
+               for f in (0, 1500, 3200)]
+    counts = [9, 1, 4]
+    offsets = [0, 9, 10, 14]
+    q = torch.randn(sum(counts), 8, 64).to(dtype)
+    together = cross_attention(q, offsets, encoder, 0.125)
+    for i, (k, v, kt) in enumerate(encoder):
+        for r in range(offsets[i], offsets[i + 1]):  # each row alone, as a plain step computes it
+            assert torch.equal(together[r], attend_rows(q[r: r + 1], k, v, 0.125, kt=kt)[0]), (i, r)

@@ -40,3 +40,14 @@ def row_attention(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, limit: tor
     if mask is not None:
         visible = visible & mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+
+
+def row_attention_each(q: torch.Tensor, kts: list[torch.Tensor], vs: list[torch.Tensor], limit: torch.Tensor,
+                       scale: float = 1.0) -> torch.Tensor:
+    """`row_attention` with each request's keys and values in tensors of its own: q [n, H, T, hd],
+    kts[b] [H, hd, W_b], vs[b] [H, W_b, hd], limit [n, T] -> [n, H, T, hd]. Request b's rows have the
+    bits `row_attention` gives them over kts[b][None] and vs[b][None]; one call, no stacking copy."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and available():
+        return torch.ops.whisper_flash.row_attention_each(q, list(kts), list(vs), limit, float(scale))
+    return torch.cat([row_attention(q[b: b + 1], kt[None], v[None], limit[b: b + 1], None, scale)
+                      for b, (kt, v) in enumerate(zip(kts, vs))])

@@ -63,26 +63,42 @@ void exp_nonpositive(float* __restrict x, int64_t n) {
   }
 }
 
+// One request's keys and values: kt [heads, hd, width] and v [heads, width, hd] by their strides.
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, const at::Tensor& limit,
+struct Memory {
+  const T* k;
+  int64_t ks1, ks2;
+  const T* v;
+  int64_t vs1, vs2;
+  int64_t width;
+};
+
+template <typename T>
+Memory<T> memory_of(const at::Tensor& kt, const at::Tensor& v, int64_t b) {  // kt, v [n, ...]: request b
+  return {kt.data_ptr<T>() + b * kt.stride(0), kt.stride(1), kt.stride(2),
+          v.data_ptr<T>() + b * v.stride(0), v.stride(1), v.stride(2), v.size(2)};
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const std::vector<Memory<T>>& memories, const at::Tensor& limit,
             const c10::optional<at::Tensor>& mask, double scale_d, at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), rows = q.size(2), hd = q.size(3), width = v.size(2);
+  const int64_t n = q.size(0), heads = q.size(1), rows = q.size(2), hd = q.size(3);
+  int64_t widest = 0;
+  for (const auto& m : memories) widest = std::max(widest, m.width);
   const float scale = static_cast<float>(scale_d);
   const int64_t* lim = limit.data_ptr<int64_t>();  // [n, rows]
-  const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;  // [n, rows, width]
+  const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;  // [n, rows, width] (one width)
   const T* qp = q.data_ptr<T>();
-  const T* kp = kt.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
-  const int64_t ks0 = kt.stride(0), ks1 = kt.stride(1), ks2 = kt.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
 
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (width + BLOCK - 1) / BLOCK * BLOCK;
+    const int64_t padded = (widest + BLOCK - 1) / BLOCK * BLOCK;
     std::vector<float> qf(rows * hd), scores(rows * padded), block(hd * BLOCK), denom(rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads;
+      const Memory<T>& mem = memories[b];
+      const int64_t width = mem.width, ks2 = mem.ks2, vs2 = mem.vs2;
       const int64_t* row_limit = lim + b * rows;
       int64_t longest = 0;
       for (int64_t r = 0; r < rows; ++r) {
@@ -91,7 +107,7 @@ void attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, cons
         longest = std::max(longest, std::min(row_limit[r], width));
       }
       const int64_t longest_padded = (longest + BLOCK - 1) / BLOCK * BLOCK;
-      const T* kbase = kp + b * ks0 + h * ks1;
+      const T* kbase = mem.k + h * mem.ks1;
       // scores, BLOCK keys at a time (CHAINS independent accumulators of LANES keys, for throughput),
       // each key's score a sum over d in order. Whole float blocks read kt in place; bf16 blocks
       // and the last partial block go through a float copy, zero-padded (the same arithmetic).
@@ -144,7 +160,7 @@ void attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, cons
         denom[r] = sum;
       }
       // values: key by key in key order (lanes over d), two rows per pass over v
-      const T* vbase = vp + b * vs0 + h * vs1;
+      const T* vbase = mem.v + h * mem.vs1;
       for (int64_t r0 = 0; r0 < rows; r0 += 2) {
         const bool pair = r0 + 1 < rows;
         float acc0[MAX_HEAD_DIM], acc1[MAX_HEAD_DIM];
@@ -192,11 +208,57 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kt, const at::Te
   }
   auto out = at::empty({n, heads, rows, hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(q, kt, v, lim, m, scale, out);
+    std::vector<Memory<float>> memories;
+    for (int64_t b = 0; b < n; ++b) memories.push_back(memory_of<float>(kt, v, b));
+    attend<float>(q, memories, lim, m, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q, kt, v, lim, m, scale, out);
+    std::vector<Memory<c10::BFloat16>> memories;
+    for (int64_t b = 0; b < n; ++b) memories.push_back(memory_of<c10::BFloat16>(kt, v, b));
+    attend<c10::BFloat16>(q, memories, lim, m, scale, out);
   } else {
     TORCH_CHECK(false, "row_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+// The same attention with each request's keys and values in tensors of its own (kts[b] [heads, hd,
+// width_b], vs[b] [heads, width_b, hd]): a server's decode step attends every request's encoder
+// states, kept per request, in one call. Request b's rows are computed exactly as row_attention
+// computes them: the same sequence of operations, only the addresses differ.
+at::Tensor row_attention_each(const at::Tensor& q, at::TensorList kts, at::TensorList vs, const at::Tensor& limit,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu(), "q [n, heads, rows, hd] on CPU");
+  const int64_t n = q.size(0), heads = q.size(1), rows = q.size(2), hd = q.size(3);
+  TORCH_CHECK(static_cast<int64_t>(kts.size()) == n && static_cast<int64_t>(vs.size()) == n,
+              "one kt and one v per request");
+  TORCH_CHECK(hd <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  for (int64_t b = 0; b < n; ++b) {
+    const auto& kt = kts[b];
+    const auto& v = vs[b];
+    TORCH_CHECK(kt.dim() == 3 && v.dim() == 3 && kt.device().is_cpu() && v.device().is_cpu(),
+                "kts[b] [heads, hd, keys], vs[b] [heads, keys, hd] on CPU");
+    TORCH_CHECK(kt.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, kt, v dtypes differ");
+    TORCH_CHECK(kt.stride(2) == 1 && v.stride(2) == 1, "kt must be contiguous over keys, v over head_dim");
+    TORCH_CHECK(kt.size(0) == heads && kt.size(1) == hd && v.size(0) == heads && v.size(2) == hd &&
+                    v.size(1) == kt.size(2), "kts[b] / vs[b] do not fit q");
+  }
+  auto lim = limit.to(at::kLong).contiguous();
+  TORCH_CHECK(lim.dim() == 2 && lim.size(0) == n && lim.size(1) == rows, "limit must be [n, rows]");
+  auto out = at::empty({n, heads, rows, hd}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto each = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<Memory<T>> memories;
+    for (int64_t b = 0; b < n; ++b)
+      memories.push_back({kts[b].data_ptr<T>(), kts[b].stride(0), kts[b].stride(1),
+                          vs[b].data_ptr<T>(), vs[b].stride(0), vs[b].stride(1), vs[b].size(1)});
+    attend<T>(q, memories, lim, c10::nullopt, scale, out);
+  };
+  if (q.scalar_type() == at::kFloat) {
+    each(float{});
+  } else if (q.scalar_type() == at::kBFloat16) {
+    each(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "row_attention_each supports float32 and bfloat16, got ", q.scalar_type());
   }
   return out;
 }
@@ -205,8 +267,10 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kt, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(whisper_flash, m) {
   m.def("row_attention(Tensor q, Tensor kt, Tensor v, Tensor limit, Tensor? mask, float scale) -> Tensor");
+  m.def("row_attention_each(Tensor q, Tensor[] kts, Tensor[] vs, Tensor limit, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(whisper_flash, CPU, m) {
   m.impl("row_attention", &row_attention);
+  m.impl("row_attention_each", &row_attention_each);
 }

@@ -31,6 +31,7 @@ import torch
 from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.flash.fallback import FallbackPolicy, judge
+from sglang_omni_flash.integration.worker.compute_turns import StepTurnsMixin
 from sglang_omni_flash.kernels.linear import row_copy
 
 MAX_SCORED_REQUESTS = 4096  # a request that never reaches the result adapter cannot grow the table
@@ -160,7 +161,7 @@ class ScoringRunnerMixin:
         return ids
 
 
-class ScoringModelRunner(ScoringRunnerMixin, ModelRunner):
+class ScoringModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
     """sglang-omni's plain model runner, scoring what it samples (the stage without speculation)."""
 
 

@@ -59,9 +59,10 @@ class WhisperFlashEngineBuilder(WhisperASREngineBuilder):
 
     def setup_model(self, *, model_worker, **kwargs) -> None:
         super().setup_model(model_worker=model_worker, **kwargs)
+        from sglang_omni_flash.integration.worker.compute_turns import take_turns
         from sglang_omni_flash.integration.worker.cpu_model import install
 
-        install(model_worker.model_runner.model)  # CPU only (a no-op elsewhere)
+        install(model_worker.model_runner.model, take_turns=take_turns())  # CPU only (a no-op elsewhere)
 
     def make_model_runner(self, model_worker, output_proc):
         from sglang_omni_flash.integration.scoring.window_scores import ScoringModelRunner

@@ -42,6 +42,7 @@ from sglang_omni_flash.flash.options import SpecOptions
 from sglang_omni_flash.flash.pacing import Pacer
 from sglang_omni_flash.flash.rounds import RoundRequest, allowed_candidates, draft_round, settle_round
 from sglang_omni_flash.integration.scoring.metrics import SpecMetrics
+from sglang_omni_flash.integration.worker.compute_turns import StepTurnsMixin
 from sglang_omni_flash.integration.worker.history import DraftState, DrafterMemories, HistoryTap, SpecStats
 from sglang_omni_flash.integration.worker.timestamp_rows import TimestampRows, is_timestamped
 from sglang_omni_flash.integration.worker.verify import VerifyRow, verify_forward
@@ -83,7 +84,7 @@ def _temperature(req) -> float:
     return 0.0 if sp.top_k == 1 or sp.temperature < 1e-6 else float(sp.temperature)
 
 
-class WhisperFlashModelRunner(ScoringRunnerMixin, ModelRunner):
+class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
     """sglang-omni's ASR model runner with Whisper-Flash speculative decode steps."""
 
     def __init__(self, tp_worker, output_processor, *, drafter, tap: HistoryTap, spec: SpecOptions):
