@@ -93,27 +93,41 @@ def test_attend_rows_gives_each_verify_row_the_bits_of_its_decode_step(dtype, ke
 
 def test_encoder_layouts_are_copied_once_and_forgotten_when_their_slots_are_written():
     kpool, vpool = torch.randn(4000, 8, 64), torch.randn(4000, 8, 64)
+    run = torch.arange(100, 1600)
     cache = EncoderKV()
-    kt, vh = cache.layouts(layer_id=6, kbuf=kpool, vbuf=vpool, first=100, length=1500)
+    kt, vh = cache.layouts(layer_id=6, kbuf=kpool, vbuf=vpool, slots=run, first=100)
     assert torch.equal(kt, kpool[100:1600].permute(1, 2, 0)) and kt.is_contiguous()
     assert torch.equal(vh, vpool[100:1600].permute(1, 0, 2)) and vh.is_contiguous()
-    assert cache.layouts(6, kpool, vpool, 100, 1500)[0] is kt  # kept: the next step reuses it
-    other = cache.layouts(7, kpool, vpool, 100, 1500)
+    assert cache.layouts(6, kpool, vpool, run, 100)[0] is kt  # kept: the next step reuses it
+    other = cache.layouts(7, kpool, vpool, run, 100)
     cache.written(6, torch.arange(2000, 3500))  # another request's slots: nothing of layer 6 overlaps
-    assert cache.layouts(6, kpool, vpool, 100, 1500)[1] is vh
+    assert cache.layouts(6, kpool, vpool, run, 100)[1] is vh
     kpool[1599] += 1.0  # a new request's encoder states land on (some of) these slots ...
     cache.written(6, torch.arange(1599, 3099))  # ... and the write is announced
-    fresh, _ = cache.layouts(6, kpool, vpool, 100, 1500)
+    fresh, _ = cache.layouts(6, kpool, vpool, run, 100)
     assert fresh is not kt and torch.equal(fresh, kpool[100:1600].permute(1, 2, 0))
-    assert cache.layouts(7, kpool, vpool, 100, 1500) is other  # other layers' planes were not written
+    assert cache.layouts(7, kpool, vpool, run, 100) == other  # other layers' planes were not written
 
     small = EncoderKV(max_bytes=4 * kt.numel() * 4)  # room for two layers' pairs: the least recently used goes
-    a = small.layouts(6, kpool, vpool, 0, 1500)
-    small.layouts(7, kpool, vpool, 0, 1500)
-    small.layouts(6, kpool, vpool, 0, 1500)  # a used again
-    small.layouts(8, kpool, vpool, 0, 1500)
-    assert small.layouts(6, kpool, vpool, 0, 1500) is a and (7, 0, 1500) not in small.entries
-    assert small.bytes == sum(t.numel() * 4 for pair in small.entries.values() for t in pair)
+    a = small.layouts(6, kpool, vpool, torch.arange(1500), 0)
+    small.layouts(7, kpool, vpool, torch.arange(1500), 0)
+    small.layouts(6, kpool, vpool, torch.arange(1500), 0)  # a used again
+    small.layouts(8, kpool, vpool, torch.arange(1500), 0)
+    assert small.layouts(6, kpool, vpool, torch.arange(1500), 0)[0] is a[0] and (7, 0, 1500) not in small.entries
+    assert small.bytes == sum(e[0].numel() * 4 + e[1].numel() * 4 for e in small.entries.values())
+
+
+def test_a_recycled_requests_scattered_encoder_slots_are_gathered_once_and_forgotten_on_any_rewrite():
+    kpool, vpool = torch.randn(4000, 8, 64), torch.randn(4000, 8, 64)
+    slots = torch.cat([torch.arange(3000, 3700), torch.arange(200, 1000)])  # not one run: a recycled pool
+    cache = EncoderKV()
+    kt, vh = cache.layouts(3, kpool, vpool, slots)
+    assert torch.equal(kt, kpool[slots].permute(1, 2, 0)) and torch.equal(vh, vpool[slots].permute(1, 0, 2))
+    assert cache.layouts(3, kpool, vpool, slots)[0] is kt
+    cache.written(3, torch.arange(1000, 3000))  # between its pieces: untouched
+    assert cache.layouts(3, kpool, vpool, slots)[0] is kt
+    cache.written(3, torch.tensor([650]))  # one of its slots
+    assert cache.layouts(3, kpool, vpool, slots)[0] is not kt
 
 
 def test_cross_attention_over_the_head_major_copy_has_the_bits_of_the_pool_slice():
@@ -121,7 +135,7 @@ def test_cross_attention_over_the_head_major_copy_has_the_bits_of_the_pool_slice
     q = torch.randn(3, 8, 64)
     cache = EncoderKV()
     k, v, kt = cross_keys(SimpleNamespace(layer_id=2), kpool, vpool, torch.arange(700, 2200), 700, cache)
-    assert v.shape == (1500, 8, 64) and v.stride() != vpool[700:2200].stride()
+    assert v.shape == k.shape == (1500, 8, 64) and v.stride() != vpool[700:2200].stride()
     assert torch.equal(attend_rows(q, k, v, 0.125, kt=kt), attend_rows(q, kpool[700:2200], vpool[700:2200], 0.125))
 
 

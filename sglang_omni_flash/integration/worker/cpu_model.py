@@ -118,42 +118,62 @@ class EncoderKV:
 
     The pool keeps a position's heads together ([T, H, hd]), so a head's values lie 64 floats apart
     from each other there; read head by head in place, the cross attention of a decode step at
-    batch 4 took 12-14 ms against 8 ms over head-major copies (base, fp32, 2 cores). A copy is made
-    once per request and layer, the first time a step reads it.
+    batch 4 took 12-14 ms against 8 ms over head-major copies (base, fp32, 2 cores). Once the pool
+    has recycled its slots, a request's encoder states are no longer one run of slots either, and
+    gathering them every step made a decode step of 16 requests take ~285 ms, against ~25 ms for 4
+    requests whose slots were still runs (server log, long-form files at C=4). So a copy is made
+    once per request and layer, from a slice or a gather, the first time a step reads it.
 
-    Keyed by (layer id, first slot, length) of a request's encoder run in the KV pool. `written`
-    (called after every write of encoder states) drops the entries whose slots were written again,
-    so a copy never outlives the request that filled its slots; least recently used entries beyond
-    `max_bytes` are dropped too (copied again when needed: the same values)."""
+    Keyed by (layer id, first slot, length) of a request's encoder slots: a live slot belongs to one
+    request. `written` (called after every write of encoder states) drops the entries any of whose
+    slots were written again, so a copy never outlives the request that filled its slots; least
+    recently used entries beyond `max_bytes` are dropped too (copied again when needed: the same
+    values)."""
 
-    def __init__(self, max_bytes: int = 1 << 30):  # 28 requests of base in fp32 (36 MB each)
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[int, int, int], tuple[Tensor, Tensor]] = OrderedDict()
+    def __init__(self, max_bytes: int | None = None, layers: int = 1):
+        # None: as much as the pool's cross-attention planes of `layers` layers hold (a copy for every
+        # request the pool can hold; 1.6 GB for base in fp32 with configs/cpu.yaml's 65,536 slots)
+        self.max_bytes, self.layers = max_bytes, layers
+        # key -> (kt, vh, the slots copied, their largest)
+        self.entries: OrderedDict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, int]] = OrderedDict()
         self.bytes = 0
 
-    def layouts(self, layer_id: int, kbuf: Tensor, vbuf: Tensor, first: int, length: int) -> tuple[Tensor, Tensor]:
-        """(kt [H, hd, T], vh [H, T, hd]) of the pool's slots first .. first + length - 1."""
-        key = (layer_id, first, length)
-        pair = self.entries.get(key)
-        if pair is not None:
+    def layouts(self, layer_id: int, kbuf: Tensor, vbuf: Tensor, slots: Tensor,
+                first: int | None = None) -> tuple[Tensor, Tensor]:
+        """(kt [H, hd, T], vh [H, T, hd]) of the pool's `slots` (`first`: their first slot when they
+        are one ascending run, read as a slice)."""
+        n = slots.numel()
+        key = (layer_id, int(slots[0]) if first is None else first, n)
+        entry = self.entries.get(key)
+        if entry is not None:
             self.entries.move_to_end(key)
-            return pair
-        pair = dense(kbuf[first: first + length].permute(1, 2, 0)), dense(vbuf[first: first + length].permute(1, 0, 2))
-        self.entries[key] = pair
-        self.bytes += sum(t.numel() * t.element_size() for t in pair)
+            return entry[0], entry[1]
+        if first is None:
+            k, v, top = kbuf[slots], vbuf[slots], int(slots.max())
+        else:
+            k, v, top = kbuf[first: first + n], vbuf[first: first + n], first + n - 1
+        if self.max_bytes is None:
+            self.max_bytes = 2 * self.layers * kbuf.numel() * kbuf.element_size()
+        kt, vh = dense(k.permute(1, 2, 0)), dense(v.permute(1, 0, 2))
+        self.entries[key] = (kt, vh, slots.clone(), top)
+        self.bytes += kt.numel() * kt.element_size() + vh.numel() * vh.element_size()
         while self.bytes > self.max_bytes and len(self.entries) > 1:
             self._drop(next(iter(self.entries)))
-        return pair
+        return kt, vh
 
     def written(self, layer_id: int, slots: Tensor) -> None:
-        if not self.entries or slots.numel() == 0:
+        keys = [key for key in self.entries if key[0] == layer_id]
+        if not keys or slots.numel() == 0:
             return
-        lo, hi = int(slots.min()), int(slots.max())
-        for key in [key for key in self.entries if key[0] == layer_id and key[1] <= hi and key[1] + key[2] > lo]:
-            self._drop(key)
+        hit = torch.zeros(max(int(slots.max()), *(self.entries[key][3] for key in keys)) + 1, dtype=torch.bool)
+        hit[slots.long().cpu()] = True
+        for key in keys:
+            if bool(hit[self.entries[key][2].cpu()].any()):
+                self._drop(key)
 
     def _drop(self, key) -> None:
-        self.bytes -= sum(t.numel() * t.element_size() for t in self.entries.pop(key))
+        kt, vh, _, _ = self.entries.pop(key)
+        self.bytes -= kt.numel() * kt.element_size() + vh.numel() * vh.element_size()
 
 
 def encoder_run(table_row: Tensor, encoder_len: int) -> tuple[Tensor, int | None]:
@@ -163,13 +183,15 @@ def encoder_run(table_row: Tensor, encoder_len: int) -> tuple[Tensor, int | None
 
 
 def cross_keys(attn, kbuf: Tensor, vbuf: Tensor, slots: Tensor, first: int | None, cache: EncoderKV):
-    """(k, v, kt) of a request's encoder run for `attend_rows`: with the row kernel and one run of
-    slots, the cached layouts (v a [T, H, hd] view of the head-major copy); else gathered rows."""
-    if first is None or not row_kernel.available():
+    """(k, v, kt) of a request's encoder states for `attend_rows`: with the row kernel, views of the
+    cached layouts (k [T, H, hd] of kt, v [T, H, hd] of the head-major copy); else the pool's rows,
+    sliced (one run of slots) or gathered."""
+    if row_kernel.available():
+        kt, vh = cache.layouts(attn.layer_id, kbuf, vbuf, slots, first)
+        return kt.permute(2, 0, 1), vh.permute(1, 0, 2), kt
+    if first is None:
         return kbuf[slots], vbuf[slots], None
-    n = slots.numel()
-    kt, vh = cache.layouts(attn.layer_id, kbuf, vbuf, first, n)
-    return kbuf[first: first + n], vh.permute(1, 0, 2), kt
+    return kbuf[first: first + slots.numel()], vbuf[first: first + slots.numel()], None
 
 
 def _linear_forward(module: nn.Linear, gelu: bool = False):
@@ -313,7 +335,7 @@ def install(model, *, take_turns: bool = True) -> bool:
     turns = model._whisper_flash_turns = ComputeTurns() if take_turns else None
     if hasattr(model, "run_encoder"):
         model.run_encoder = _one_window_at_a_time(model.run_encoder, turns)
-    keys = model._whisper_flash_encoder_keys = EncoderKV()
+    keys = model._whisper_flash_encoder_keys = EncoderKV(layers=len(decoder.layers))
     for attn in attentions:
         attn.forward = _DecodeAttention(attn, keys)
     for layer in decoder.layers:
