@@ -124,17 +124,20 @@ def clip_variant(clip: Utterance, pass_id: int, cache_busting: bool) -> bytes:
     """The WAV bytes sent for `clip` in pass `pass_id` (identical for every server).
 
     With cache busting, pass_id + 1 is written two bits per sample into the first 12 PCM
-    samples (each moves by at most 3 LSB, towards zero), so every pass has its own audio
-    fingerprint on the server.
+    samples of every second (each moves by at most 3 LSB, towards zero), so every pass has its
+    own audio fingerprint on the server, in every 30 s window of a long file: the stage caches
+    encoder outputs per window, and a mark in the first window only let the later windows of a
+    long file hit the cache on every pass after the first.
     """
     if not cache_busting:
         return clip.audio.read_bytes()
     audio, rate = sf.read(clip.audio, dtype="int16", always_2d=True)
     audio = audio.astype(np.int32)
     code = pass_id + 1
-    for j in range(12):
-        step = (code >> (2 * j)) & 3
-        audio[j, 0] += -step if audio[j, 0] > 0 else step
+    for start in range(0, max(len(audio) - 12, 1), rate):
+        for j in range(min(12, len(audio) - start)):
+            step = (code >> (2 * j)) & 3
+            audio[start + j, 0] += -step if audio[start + j, 0] > 0 else step
     buffer = io.BytesIO()
     sf.write(buffer, audio.astype(np.int16), rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()

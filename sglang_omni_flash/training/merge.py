@@ -42,3 +42,11 @@ def worst_gain(per_set: dict[str, float], baseline: dict[str, float]) -> float:
     if not per_set:
         return math.nan
     return min(value - baseline.get(name, 0.0) for name, value in per_set.items())
+
+
+def mean_gain(per_set: dict[str, float], baseline: dict[str, float]) -> float:
+    """The mean gain over the baseline across validation sets: what breaks a tie of `worst_gain`
+    (two merge weights held back by the same set can differ on every other one)."""
+    if not per_set:
+        return math.nan
+    return sum(value - baseline.get(name, 0.0) for name, value in per_set.items()) / len(per_set)

@@ -458,9 +458,11 @@ class Trainer:
             metrics = self.validate()
             tried[f"{alpha:g}"] = {"select": metrics[self.options.select], "rollout_tau": metrics["rollout_tau"],
                                    "sets": _set_taus(metrics)}
-            if best is None or metrics[self.options.select] > best[1][self.options.select]:
-                best = (alpha, metrics, state)
-        alpha, metrics, state = best
+            # the select figure, ties broken by the mean gain over the warm start across the sets
+            rank = (metrics[self.options.select], merge.mean_gain(_set_taus(metrics), self.baseline))
+            if best is None or rank > best[3]:
+                best = (alpha, metrics, state, rank)
+        alpha, metrics, state, _ = best
         self.drafter.load_state_dict(state)
         record = {"alpha": alpha, "select": self.options.select, "weights": weights, "merge": tried,
                   "baseline": self.baseline}
