@@ -208,7 +208,7 @@ def test_one_call_over_each_requests_own_encoder_states_gives_the_bits_of_a_call
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_cross_attention_in_one_call_gives_each_requests_rows_their_own_bits(dtype):
-    from sglang_omni_flash.integration.worker.verify import cross_attention
+    from sglang_omni_flash.integration.worker.cpu_model import cross_attention
 
     torch.manual_seed(2)
     kpool, vpool = torch.randn(5000, 8, 64).to(dtype), torch.randn(5000, 8, 64).to(dtype)

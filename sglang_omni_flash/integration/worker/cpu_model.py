@@ -194,6 +194,26 @@ def cross_keys(attn, kbuf: Tensor, vbuf: Tensor, slots: Tensor, first: int | Non
     return kbuf[first: first + slots.numel()], vbuf[first: first + slots.numel()], None
 
 
+def cross_attention(q: Tensor, offsets: list[int], encoder: list[tuple], scale: float) -> Tensor:
+    """Every request's rows (q [sum(n_i), H, hd], request i's at offsets[i]..) over its encoder states
+    ((k, v, kt) of `cross_keys`) -> [sum(n_i), H * hd]. With the row kernel and cached layouts, one call
+    for all requests: rows padded to the longest request's count (a padded row is computed and
+    dropped; no row reads another), each row's bits those of a call of its own."""
+    if not all(kt is not None and kt.dtype == q.dtype for _, _, kt in encoder):  # kt: the kernel is there
+        return torch.cat([attend_rows(q[offsets[i]: offsets[i + 1]], k, v, scale, kt=kt)
+                          for i, (k, v, kt) in enumerate(encoder)])
+    counts = [offsets[i + 1] - offsets[i] for i in range(len(encoder))]
+    rows = max(counts)
+    padded = q.new_zeros(len(encoder), rows, *q.shape[1:])
+    for i, n in enumerate(counts):
+        padded[i, :n] = q[offsets[i]: offsets[i + 1]]
+    limits = torch.tensor([[v.shape[0]] * rows for _, v, _ in encoder], dtype=torch.long)
+    out = row_kernel.row_attention_each(padded.permute(0, 2, 1, 3), [kt for _, _, kt in encoder],
+                                        [v.permute(1, 0, 2) for _, v, _ in encoder], limits, scale)  # [B, H, rows, hd]
+    out = out.permute(0, 2, 1, 3).reshape(len(encoder), rows, -1)
+    return torch.cat([out[i, :n] for i, n in enumerate(counts)])
+
+
 def _linear_forward(module: nn.Linear, gelu: bool = False):
     def forward(x: Tensor) -> Tensor:
         return row_copy(module, gelu)(x)
@@ -240,7 +260,6 @@ class _StepPlan:
         for i, (row, length, enc) in enumerate(zip(rows, lengths, encoder_lens)):
             self.self_slots[i, :length] = table[row, enc: enc + length]
         self.limits = torch.tensor(lengths, dtype=torch.long, device=table.device)[:, None]  # [B, 1]
-        self.encoder_limits = torch.tensor(encoder_lens, dtype=torch.long, device=table.device)[:, None]
 
     @staticmethod
     def of(forward_batch, table: Tensor) -> "_StepPlan":
@@ -273,16 +292,9 @@ class _DecodeAttention:
                                k.reshape(-1, attn.tp_k_head_num, hd), v.reshape(-1, attn.tp_v_head_num, attn.v_head_dim))
         kbuf, vbuf = pool.get_key_buffer(attn.layer_id), pool.get_value_buffer(attn.layer_id)
         plan = _StepPlan.of(forward_batch, backend.req_to_token_pool.req_to_token)
-        if attn.is_cross_attention:
+        if attn.is_cross_attention:  # one row per request (a verify pass has several)
             encoder = [cross_keys(attn, kbuf, vbuf, slots, first, self.keys) for slots, first in plan.encoder_runs]
-            if kbuf.dtype == q.dtype and all(kt is not None for _, _, kt in encoder):  # kt: the kernel is there
-                # every request over its own cached layouts in one kernel call (the bits of a call per request)
-                out = row_kernel.row_attention_each(q[:, :, None, :], [kt for _, _, kt in encoder],
-                                                    [v.permute(1, 0, 2) for _, v, _ in encoder],
-                                                    plan.encoder_limits, attn.scaling)  # [B, H, 1, hd]
-                return out.reshape(q.shape[0], -1)
-            return torch.stack([attend_rows(q[i: i + 1], k, v, attn.scaling, kt=kt)[0]
-                                for i, (k, v, kt) in enumerate(encoder)])
+            return cross_attention(q, list(range(q.shape[0] + 1)), encoder, attn.scaling)
         if not row_kernel.available() or kbuf.dtype != q.dtype:
             return torch.stack([attend_rows(q[i: i + 1], kbuf[slots[:n]], vbuf[slots[:n]], attn.scaling)[0]
                                 for i, (slots, n) in enumerate(zip(plan.self_slots, plan.limits[:, 0].tolist()))])
@@ -295,7 +307,7 @@ class _DecodeAttention:
 
 
 def _forgetting_old_keys(cross_attention, keys: EncoderKV):
-    """cache_encoder_states that drops the transposed keys of the slots it writes (another request's)."""
+    """cache_encoder_states that drops the cached layouts (`EncoderKV`) of the slots it writes."""
     write = cross_attention.cache_encoder_states
 
     def cache_encoder_states(states: Tensor, cache_loc: Tensor) -> None:

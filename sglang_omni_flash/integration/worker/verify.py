@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_omni_flash.kernels import attention as row_kernel
 from sglang_omni_flash.kernels.linear import row_copy
-from sglang_omni_flash.integration.worker.cpu_model import EncoderKV, attend_rows, cross_keys, encoder_run
+from sglang_omni_flash.integration.worker.cpu_model import (EncoderKV, attend_rows, cross_attention, cross_keys,
+                                                             encoder_run)
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,6 @@ class VerifyOutput:
     logits: Tensor  # [sum(n_i), V] raw target logits, rows in request order
     history: Tensor  # [sum(n_i), n_hist, d] residual stream after the history layers
     offsets: list[int]  # start row of each request in the flat outputs
-
-
-def cross_attention(q: Tensor, offsets: list[int], encoder: list[tuple], scale: float) -> Tensor:
-    """Every request's rows (q [sum(n_i), H, hd], request i's at offsets[i]..) over its encoder states
-    ((k, v, kt) of `cross_keys`) -> [sum(n_i), H * hd]. With the row kernel and cached layouts, one call
-    for all requests: rows padded to the longest request's count (a padded row is computed and
-    dropped; no row reads another), each row's bits those of a call of its own."""
-    if not all(kt is not None and kt.dtype == q.dtype for _, _, kt in encoder):  # kt: the kernel is there
-        return torch.cat([attend_rows(q[offsets[i]: offsets[i + 1]], k, v, scale, kt=kt)
-                          for i, (k, v, kt) in enumerate(encoder)])
-    counts = [offsets[i + 1] - offsets[i] for i in range(len(encoder))]
-    rows = max(counts)
-    padded = q.new_zeros(len(encoder), rows, *q.shape[1:])
-    for i, n in enumerate(counts):
-        padded[i, :n] = q[offsets[i]: offsets[i + 1]]
-    limits = torch.tensor([[v.shape[0]] * rows for _, v, _ in encoder], dtype=torch.long)
-    out = row_kernel.row_attention_each(padded.permute(0, 2, 1, 3), [kt for _, _, kt in encoder],
-                                        [v.permute(1, 0, 2) for _, v, _ in encoder], limits, scale)  # [B, H, rows, hd]
-    out = out.permute(0, 2, 1, 3).reshape(len(encoder), rows, -1)
-    return torch.cat([out[i, :n] for i, n in enumerate(counts)])
 
 
 @torch.inference_mode()
