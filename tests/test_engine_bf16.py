@@ -111,12 +111,13 @@ def test_bf16_seeded_sampling_is_reproducible_and_valid(case):
         assert r.text.strip()
 
 
-def test_bf16_acceptance_within_a_few_percent_of_float32(case):
+def test_bf16_acceptance_no_lower_than_float32(case):
     """Same clips, same shipped drafter (whole chains, as eval-drafter): tokens per target call in
-    bf16 within 5% of fp32 with the drafter's float weights (only the dtype differs), and well above
-    1 (an untrained or refused drafter gets ~1) there and with fp32's default int8 drafter. (bf16
-    against the int8 drafter mixes two changes: 5.06% apart on base on an AVX512-BF16 EPYC, where
-    bf16 against the float drafter is 0.4% apart.)"""
+    bf16 at most 5% below fp32 with the drafter's float weights (only the dtype differs), and well
+    above 1 (an untrained or refused drafter gets ~1) there and with fp32's default int8 drafter.
+    One-sided: bf16 may accept more on these few clips (base, drafter shipped 2026-12-06, an AMX
+    Xeon: 2.91 against 2.76, +5.4%; an AVX512-BF16 EPYC: 0.4% apart). bf16 against the int8
+    drafter mixes two changes (5.06% apart on base on that EPYC)."""
     bf16 = case.run(min_draft_prob=0.0, tree_nodes=0)
 
     def fp32(**changes):
@@ -130,4 +131,4 @@ def test_bf16_acceptance_within_a_few_percent_of_float32(case):
 
     fp32_float, fp32_int8 = fp32(drafter_int8=False), fp32()
     assert tau(fp32_float) > 1.8 and tau(fp32_int8) > 1.8
-    assert abs(tau(bf16) / tau(fp32_float) - 1) < 0.05
+    assert tau(bf16) >= 0.95 * tau(fp32_float)

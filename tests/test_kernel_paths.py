@@ -1,5 +1,5 @@
-"""Every kernel path of row_linear.cpp is row-invariant and computes the linear, checked on this
-machine whatever its CPU: the kernel is built again for each older CPU class this CPU can run
+"""Every kernel path of row_linear.cpp and row_attention.cpp is row-invariant and computes what it
+should, checked on this machine whatever its CPU: the kernel is built again for each older CPU class this CPU can run
 (`WHISPER_FLASH_MARCH`), in a subprocess, so an AMX machine also runs the AVX-512, AVX2 and
 plain-vector paths that CPUs without AMX get, and an AVX2 machine the plain-vector one.
 
@@ -61,9 +61,42 @@ CHECK = textwrap.dedent("""
             err = ((lin(x[:9]).float() - want).abs() / (want.abs() + 1)).max().item()
             result[name] = {"packed": lin.packed is not None, "mismatches": len(bad), "max_rel_err": err,
                             "check_s": round(time.perf_counter() - t, 2)}
+        result["attention"] = attention_check(dtype, g)
         report[str(dtype).removeprefix("torch.")] = result
     print(json.dumps(report))
 """)
+
+# row_attention.cpp on the same build: every row alone == that row among 9 rows of 3 requests (its
+# place in the groups of rows computed together varies), a tree node == its path laid out as a
+# chain, and the values against float64 attention
+ATTENTION = textwrap.dedent("""
+    from sglang_omni_flash.kernels.attention import available, row_attention
+
+    def attention_check(dtype, g):
+        assert available()
+        q = (0.2 * torch.randn(3, 8, 9, 64, generator=g)).to(dtype)
+        k = torch.randn(3, 8, 300, 64, generator=g).to(dtype)
+        v = torch.randn(3, 8, 300, 64, generator=g).to(dtype)
+        kt = k.transpose(-1, -2).contiguous()
+        limits = (250 + torch.arange(9))[None].expand(3, 9)
+        together = row_attention(q, kt, v, limits)
+        bad = sum(not torch.equal(together[b, :, r], row_attention(q[b:b + 1, :, r:r + 1], kt[b:b + 1, ..., :250 + r],
+                                                                   v[b:b + 1, :, :250 + r],
+                                                                   torch.tensor([[250 + r]]))[0, :, 0])
+                  for b in range(3) for r in range(9))
+        slots = list(range(200)) + [203, 206, 207]  # a node's ancestors after hidden siblings
+        mask = torch.zeros(1, 1, 208, dtype=torch.bool)
+        mask[0, 0, slots] = True
+        tree = row_attention(q[:1, :, :1], kt[:1, ..., :208], v[:1, :, :208], torch.tensor([[208]]), mask)
+        chain = row_attention(q[:1, :, :1], kt[:1][..., slots].contiguous(), v[:1, :, slots],
+                              torch.tensor([[len(slots)]]))
+        bad += 0 if torch.equal(tree, chain) else 1
+        causal = torch.arange(300)[None, :] < limits[0][:, None]
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=causal, scale=1.0)
+        return {"mismatches": bad, "max_err": (together.double() - want).abs().max().item()}
+""")
+assert "torch.set_num_threads(2)\n" in CHECK
+CHECK = CHECK.replace("torch.set_num_threads(2)\n", "torch.set_num_threads(2)\n" + ATTENTION, 1)
 
 
 @pytest.mark.parametrize("march,needs,fp32_path,bf16_path", CLASSES, ids=[c[0] for c in CLASSES])
@@ -84,3 +117,6 @@ def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, nee
             assert got["packed"], (march, dtype, name)  # the kernel ran, not F.linear
             assert got["mismatches"] == 0, (march, dtype, name, got)
             assert got["max_rel_err"] < tol, (march, dtype, name, got)
+        attention = report[dtype]["attention"]
+        assert attention["mismatches"] == 0, (march, dtype, attention)
+        assert attention["max_err"] < (1e-5 if dtype == "float32" else 2e-2), (march, dtype, attention)

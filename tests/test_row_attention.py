@@ -45,13 +45,19 @@ def test_matches_attention_in_double_precision(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_bit_identical_whatever_else_is_in_the_call(dtype):
-    """Cross-attention (every key visible): 1 row of 1 request == that row among 33 rows of 4."""
+    """Cross-attention (every key visible): each row computed alone == that row among 33 rows of 4,
+    whatever its place in the groups of rows the kernel computes together."""
     q, kt, v = tensors(dtype)
-    alone = row_attention(q[:1, :, :1], kt[:1], v[:1], full(1, 1, 1500))
+    alone = torch.cat([torch.cat([row_attention(q[b: b + 1, :, r: r + 1], kt[b: b + 1], v[b: b + 1],
+                                                full(1, 1, 1500)) for r in range(33)], dim=2)
+                       for b in range(4)])
     for n in (1, 2, 4):
-        for rows in (1, 2, 9, 33):
+        for rows in (1, 2, 3, 5, 9, 33):
             out = row_attention(q[:n, :, :rows], kt[:n], v[:n], full(n, rows, 1500))
-            assert torch.equal(out[:1, :, :1], alone), (n, rows)
+            assert torch.equal(out, alone[:n, :, :rows]), (n, rows)
+            later = q[:n, :, 1: rows + 1]  # the same rows one place on in the groups
+            shifted = row_attention(later, kt[:n], v[:n], full(n, later.shape[2], 1500))
+            assert torch.equal(shifted, alone[:n, :, 1: rows + 1]), (n, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

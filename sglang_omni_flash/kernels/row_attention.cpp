@@ -15,17 +15,29 @@
 //
 // Fixed order, per (b, h, r): each score is a sum over the head dimension in order d = 0..hd-1
 // (vector lanes run over keys, never over d); the max; exp by one polynomial (every element through
-// the same vector code: buffers are padded to whole vectors); the denominator summed key by key;
+// the same vector code: buffers are padded to whole vectors); the denominator as 16 lane sums over
+// the visible keys listed in order (a tree node's hidden keys left out), the lanes then added in a
+// fixed order;
 // the values accumulated key by key (lanes over d); one division at the end. fp32 accumulation for
-// float32 and bfloat16 inputs alike. Work is split over (b, h) only.
+// float32 and bfloat16 inputs alike; products and sums fused (one rounding) where the CPU has FMA,
+// separate elsewhere: one choice per build, never per call. Work is split over (b, h) only.
+//
+// Rows of one (b, h) are scored and weighted ROWS_TOGETHER at a time, so that each key vector and
+// value vector loaded (and, in bf16, widened) serves several rows. A row's arithmetic does not see
+// its neighbours: the same instructions run for it in a group of 1 or of 4.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -33,12 +45,128 @@
 namespace {
 
 constexpr int64_t LANES = 8;
-constexpr int64_t BLOCK = 8 * LANES;  // keys scored together (8 independent vector accumulators)
+constexpr int64_t BLOCK = 8 * LANES;  // keys scored together (4 vectors of 16)
 constexpr int64_t MAX_HEAD_DIM = 256;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// 16 floats as GCC vector extensions (one zmm with AVX-512, two ymm with AVX2, four xmm otherwise):
+// every lane runs the same instruction, on any ISA.
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));
+constexpr int64_t VEC = 16;
+constexpr int64_t BLOCK_VECS = BLOCK / VEC;
+
+// a * b + c: fused where the build has FMA (one rounding), else a multiply then an add (this file
+// is compiled with -ffp-contract=off, so the compiler never fuses on its own)
+inline f16v madd(f16v a, f16v b, f16v c) {
+#if defined(__AVX512F__)
+  return (f16v)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a2[2], b2[2], c2[2];
+  std::memcpy(a2, &a, 64);
+  std::memcpy(b2, &b, 64);
+  std::memcpy(c2, &c, 64);
+  for (int i = 0; i < 2; ++i) c2[i] = _mm256_fmadd_ps(a2[i], b2[i], c2[i]);
+  f16v out;
+  std::memcpy(&out, c2, 64);
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t ROWS_TOGETHER = 4;  // 4 rows x 4 accumulators + 4 loaded vectors < 32 registers
+#else
+constexpr int64_t ROWS_TOGETHER = 1;  // 16 registers: one row's 4 accumulators (8 ymm) + loads
+#endif
+
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f16v load16(const c10::BFloat16* p) {  // 16 bf16 -> fp32, exact
+  h16v h;
+  std::memcpy(&h, p, sizeof h);
+  return (f16v)(__builtin_convertvector(h, u16v) << 16);
+}
+
+// scores of G rows against BLOCK keys: s[i][l] = scale * sum_d q[i][d] k[d][l], d in order
+template <int G>
+void score_rows(const float* q, int64_t hd, const float* keys, int64_t stride, float scale, float* s,
+                int64_t s_ld) {
+  f16v acc[G][BLOCK_VECS];
+  for (int i = 0; i < G; ++i)
+    for (int v = 0; v < BLOCK_VECS; ++v) acc[i][v] = f16v{};
+  for (int64_t d = 0; d < hd; ++d) {
+    f16v k[BLOCK_VECS];
+    for (int v = 0; v < BLOCK_VECS; ++v) k[v] = load16(keys + d * stride + v * VEC);
+    for (int i = 0; i < G; ++i) {
+      const f16v qd = f16v{} + q[i * hd + d];
+      for (int v = 0; v < BLOCK_VECS; ++v) acc[i][v] = madd(qd, k[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int v = 0; v < BLOCK_VECS; ++v) {
+      const f16v x = acc[i][v] * scale;
+      std::memcpy(s + i * s_ld + v * VEC, &x, sizeof x);
+    }
+}
+
+// G rows' weighted values, keys 0..keys-1 in order, then the division: out[i][d] =
+// (sum_j p[i][j] v[j][d]) / denom[i]. NV: head_dim / 16 when known at compile time (Whisper: 4), else 0.
+template <int G, int NV, typename T>
+void value_rows(const float* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t keys, int64_t hd,
+                const float* denom, T* out, int64_t out_ld) {
+  constexpr int CAP = NV > 0 ? NV : MAX_HEAD_DIM / VEC;
+  const int nv = NV > 0 ? NV : static_cast<int>(hd / VEC);
+  f16v acc[G][CAP];
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < nv; ++c) acc[i][c] = f16v{};
+  for (int64_t j = 0; j < keys; ++j) {
+    f16v x[CAP];
+    for (int c = 0; c < nv; ++c) x[c] = load16(v + j * v_ld + c * VEC);
+    for (int i = 0; i < G; ++i) {
+      const f16v w = f16v{} + p[i * p_ld + j];
+      for (int c = 0; c < nv; ++c) acc[i][c] = madd(w, x[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const float inv = denom[i] > 0.f ? 1.f / denom[i] : 0.f;
+    alignas(64) float row[MAX_HEAD_DIM];
+    for (int c = 0; c < nv; ++c) {
+      const f16v y = acc[i][c] * inv;
+      std::memcpy(row + c * VEC, &y, sizeof y);
+    }
+    for (int64_t d = 0; d < hd; ++d) out[i * out_ld + d] = static_cast<T>(row[d]);
+  }
+}
+
+template <int NV, typename T>
+void value_group(int64_t g, const float* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t keys, int64_t hd,
+                 const float* denom, T* out, int64_t out_ld) {
+  switch (g) {
+    case 1: return value_rows<1, NV>(p, p_ld, v, v_ld, keys, hd, denom, out, out_ld);
+    case 2: return value_rows<2 <= ROWS_TOGETHER ? 2 : 1, NV>(p, p_ld, v, v_ld, keys, hd, denom, out, out_ld);
+    case 3: return value_rows<3 <= ROWS_TOGETHER ? 3 : 1, NV>(p, p_ld, v, v_ld, keys, hd, denom, out, out_ld);
+    default: return value_rows<ROWS_TOGETHER, NV>(p, p_ld, v, v_ld, keys, hd, denom, out, out_ld);
+  }
+}
+
+void score_group(int64_t g, const float* q, int64_t hd, const float* keys, int64_t stride, float scale, float* s,
+                 int64_t s_ld) {
+  switch (g) {
+    case 1: return score_rows<1>(q, hd, keys, stride, scale, s, s_ld);
+    case 2: return score_rows<2 <= ROWS_TOGETHER ? 2 : 1>(q, hd, keys, stride, scale, s, s_ld);
+    case 3: return score_rows<3 <= ROWS_TOGETHER ? 3 : 1>(q, hd, keys, stride, scale, s, s_ld);
+    default: return score_rows<ROWS_TOGETHER>(q, hd, keys, stride, scale, s, s_ld);
+  }
+}
 
 // exp(x) for x <= 0 (scores minus their max), exactly 0 below -87. Cody-Waite reduction and
 // Cephes' degree-6 polynomial (~2 ulp); n is a multiple of LANES, so no element takes a scalar tail.
@@ -61,6 +189,34 @@ void exp_nonpositive(float* __restrict x, int64_t n) {
     const float keep = x[i] > -87.f ? 1.f : 0.f;
     x[i] = p * scale * keep;
   }
+}
+
+// s[j] <- exp(s[j] - max_j s[j]) in place, n a multiple of 16: the max over 16 lanes, then across
+// them (exact in any order). A row that sees nothing (all -inf) gets zeros.
+void exp_shifted(float* s, int64_t n) {
+  f16v m = f16v{} + NEG_INF;
+  for (int64_t j = 0; j < n; j += VEC) {
+    const f16v x = load16(s + j);
+    m = x > m ? x : m;
+  }
+  float top = NEG_INF;
+  for (int l = 0; l < VEC; ++l) top = m[l] > top ? m[l] : top;
+  if (top == NEG_INF) top = 0.f;
+  for (int64_t j = 0; j < n; ++j) s[j] -= top;
+  exp_nonpositive(s, n);
+}
+
+// x[0] + ... + x[n-1], n a multiple of 16, in one fixed order: 16 lane sums (lane l: x[l], x[l + 16],
+// ... in order), then the lanes added pairwise. Zeros after the last visible key change nothing, so
+// the sum is over a row's visible keys listed in order: the caller lists them without gaps.
+float lane_sum(const float* x, int64_t n) {
+  f16v acc = f16v{};
+  for (int64_t j = 0; j < n; j += VEC) acc = acc + load16(x + j);
+  float lanes[VEC];
+  std::memcpy(lanes, &acc, sizeof acc);
+  for (int w = VEC / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
 }
 
 // One request's keys and values: kt [heads, hd, width] and v [heads, width, hd] by their strides.
@@ -94,7 +250,7 @@ void attend(const at::Tensor& q, const std::vector<Memory<T>>& memories, const a
 
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (widest + BLOCK - 1) / BLOCK * BLOCK;
-    std::vector<float> qf(rows * hd), scores(rows * padded), block(hd * BLOCK), denom(rows);
+    std::vector<float> qf(rows * hd), scores(rows * padded), block(hd * BLOCK), denom(rows), visible(padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads;
       const Memory<T>& mem = memories[b];
@@ -125,63 +281,54 @@ void attend(const at::Tensor& q, const std::vector<Memory<T>>& memories, const a
           for (int64_t d = 0; d < hd; ++d) {
             const T* src = kbase + d * ks2 + j0;
             float* dst = block.data() + d * BLOCK;
+            if (here == BLOCK) {
+              for (int64_t v = 0; v < BLOCK_VECS; ++v) {
+                const f16v x = load16(src + v * VEC);
+                std::memcpy(dst + v * VEC, &x, sizeof x);
+              }
+              continue;
+            }
             for (int64_t l = 0; l < here; ++l) dst[l] = to_float(src[l]);
             for (int64_t l = here; l < BLOCK; ++l) dst[l] = 0.f;
           }
           keys = block.data();
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          float acc[BLOCK];
-          for (int64_t l = 0; l < BLOCK; ++l) acc[l] = 0.f;
-          const float* qr = qf.data() + r * hd;
-          for (int64_t d = 0; d < hd; ++d) {
-            const float qd = qr[d];
-            const float* kd = keys + d * stride;
-            for (int64_t l = 0; l < BLOCK; ++l) acc[l] += qd * kd[l];
-          }
-          float* s = scores.data() + r * padded + j0;
-          for (int64_t l = 0; l < BLOCK; ++l) s[l] = acc[l] * scale;
-        }
+        for (int64_t r = 0; r < rows; r += ROWS_TOGETHER)
+          score_group(std::min(ROWS_TOGETHER, rows - r), qf.data() + r * hd, hd, keys, stride, scale,
+                      scores.data() + r * padded + j0, padded);
       }
-      // visibility, max, exp, denominator
+      // visibility, max, exp, denominator (longest_padded is a whole number of vectors)
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * padded;
         const int64_t lr = std::min(row_limit[r], width);
-        const bool* mrow = mk == nullptr ? nullptr : mk + (b * rows + r) * width;
-        for (int64_t j = 0; j < longest_padded; ++j)
-          if (j >= lr || (mrow != nullptr && !mrow[j])) s[j] = NEG_INF;
-        float top = NEG_INF;
-        for (int64_t j = 0; j < longest_padded; ++j) top = s[j] > top ? s[j] : top;
-        if (top == NEG_INF) top = 0.f;  // a row that sees nothing gets zeros
-        for (int64_t j = 0; j < longest_padded; ++j) s[j] -= top;
-        exp_nonpositive(s, longest_padded);
-        float sum = 0.f;
-        for (int64_t j = 0; j < longest_padded; ++j) sum += s[j];
-        denom[r] = sum;
+        if (mk != nullptr) {
+          const bool* mrow = mk + (b * rows + r) * width;
+          for (int64_t j = 0; j < lr; ++j)
+            if (!mrow[j]) s[j] = NEG_INF;
+        }
+        for (int64_t j = lr; j < longest_padded; ++j) s[j] = NEG_INF;
+        exp_shifted(s, longest_padded);
+        if (mk == nullptr) {
+          denom[r] = lane_sum(s, longest_padded);
+        } else {  // a tree node: its visible keys without the hidden ones between them, as its chain has them
+          const bool* mrow = mk + (b * rows + r) * width;
+          int64_t count = 0;
+          for (int64_t j = 0; j < lr; ++j)
+            if (mrow[j]) visible[count++] = s[j];
+          for (; count % VEC != 0; ++count) visible[count] = 0.f;
+          denom[r] = lane_sum(visible.data(), count);
+        }
       }
-      // values: key by key in key order (lanes over d), two rows per pass over v
+      // values: key by key in key order (lanes over d), ROWS_TOGETHER rows per pass over v
       const T* vbase = mem.v + h * mem.vs1;
-      for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-        const bool pair = r0 + 1 < rows;
-        float acc0[MAX_HEAD_DIM], acc1[MAX_HEAD_DIM];
-        for (int64_t d = 0; d < hd; ++d) acc0[d] = acc1[d] = 0.f;
-        const float* p0 = scores.data() + r0 * padded;
-        const float* p1 = pair ? p0 + padded : p0;
-        for (int64_t j = 0; j < longest; ++j) {
-          const float w0 = p0[j], w1 = p1[j];
-          const T* vj = vbase + j * vs2;
-          for (int64_t d = 0; d < hd; ++d) {
-            const float x = to_float(vj[d]);
-            acc0[d] += w0 * x;
-            acc1[d] += w1 * x;
-          }
-        }
-        for (int64_t r = r0; r < r0 + (pair ? 2 : 1); ++r) {
-          const float* a = r == r0 ? acc0 : acc1;
-          T* o = op + ((b * heads + h) * rows + r) * hd;
-          const float inv = denom[r] > 0.f ? 1.f / denom[r] : 0.f;
-          for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<T>(a[d] * inv);
-        }
+      for (int64_t r = 0; r < rows; r += ROWS_TOGETHER) {
+        const int64_t g = std::min(ROWS_TOGETHER, rows - r);
+        T* o = op + ((b * heads + h) * rows + r) * hd;
+        const float* p = scores.data() + r * padded;
+        if (hd == 64)
+          value_group<4>(g, p, padded, vbase, vs2, longest, hd, denom.data() + r, o, hd);
+        else
+          value_group<0>(g, p, padded, vbase, vs2, longest, hd, denom.data() + r, o, hd);
       }
     }
   });
@@ -195,7 +342,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kt, const at::Te
   TORCH_CHECK(q.scalar_type() == kt.scalar_type() && q.scalar_type() == v.scalar_type(), "q, kt, v dtypes differ");
   TORCH_CHECK(kt.stride(3) == 1 && v.stride(3) == 1, "kt must be contiguous over keys, v over head_dim");
   const int64_t n = q.size(0), heads = q.size(1), rows = q.size(2), hd = q.size(3);
-  TORCH_CHECK(hd <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(hd <= MAX_HEAD_DIM && hd % VEC == 0, "head_dim must be a multiple of 16 up to ", MAX_HEAD_DIM);
   TORCH_CHECK(kt.size(0) == n && kt.size(1) == heads && kt.size(2) == hd, "kt does not fit q");
   TORCH_CHECK(v.size(0) == n && v.size(1) == heads && v.size(3) == hd && v.size(2) == kt.size(3), "v does not fit kt");
   auto lim = limit.to(at::kLong).contiguous();
@@ -231,7 +378,7 @@ at::Tensor row_attention_each(const at::Tensor& q, at::TensorList kts, at::Tenso
   const int64_t n = q.size(0), heads = q.size(1), rows = q.size(2), hd = q.size(3);
   TORCH_CHECK(static_cast<int64_t>(kts.size()) == n && static_cast<int64_t>(vs.size()) == n,
               "one kt and one v per request");
-  TORCH_CHECK(hd <= MAX_HEAD_DIM, "head_dim above ", MAX_HEAD_DIM);
+  TORCH_CHECK(hd <= MAX_HEAD_DIM && hd % VEC == 0, "head_dim must be a multiple of 16 up to ", MAX_HEAD_DIM);
   for (int64_t b = 0; b < n; ++b) {
     const auto& kt = kts[b];
     const auto& v = vs[b];
