@@ -83,6 +83,8 @@ def test_timestamped_extraction_reproduces_the_timestamped_greedy_and_shares_enc
 
     options = _options(teacher, tmp_path / "run", model=extractor.options.model)
     trainer = Trainer(dataclasses.replace(options, teacher=(str(teacher), str(out))), progress=False)
+    assert all(u.encoder is None for u in trainer.train)  # recomputed when an update needs them
+    trainer.encode_training_clips()
     by_audio = {}
     for utt in trainer.train:
         by_audio.setdefault(utt.audio, []).append(utt)
@@ -294,6 +296,10 @@ def test_resume_after_interrupt_gives_the_same_checkpoint(teacher, tiny_en_model
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert math.isclose(straight.best_tau, resumed.best_tau)
+    assert not straight.unencoded  # training encoded its clips
+    again = Trainer(_options(teacher, tmp_path / "straight", **opts), progress=False)
+    again.run()  # every update done (a recipe resumed to merge or evaluate): no training clip is encoded
+    assert again.step == 8 and again.unencoded
 
 
 def test_warm_start_begins_from_the_given_drafter_and_refuses_another_shape(teacher, tiny_en_model_dir, tmp_path):
@@ -356,6 +362,7 @@ def test_frozen_acoustic_cache_keeps_utterances_of_different_teacher_folders_apa
 
     trainer = Trainer(_options(teacher, tmp_path / "run", model=str(tiny_en_model_dir)), progress=False)
     assert trainer.options.freeze_acoustic_kv  # the cached path
+    trainer.encode_training_clips()
     first = trainer.train[0]
     twin = dataclasses.replace(first, encoder=torch.flip(first.encoder, dims=[0]))  # same id, other audio
     assert twin.id == first.id
@@ -386,7 +393,8 @@ def test_validation_rollout_replays_real_decoding(base_model_dir, test_set_paths
     engine = WhisperFlashEngine(EngineOptions(model=str(base_model_dir), drafter=str(tmp_path / "drafter"),
                                               speculative=True, dtype="float32").with_(
         min_draft_prob=0.0, drafter_int8=False, tree_nodes=0, pace=False, max_backoff=0))
-    utts = trainer.train  # loaded with their encoder outputs recomputed
+    trainer.encode_training_clips()
+    utts = trainer.train  # with their encoder outputs recomputed
     by_id = {c.id: c for c in clips}
     same = calls = 0
     for utt in utts:

@@ -390,11 +390,17 @@ def recompute_encoders(utterances: list[TeacherUtterance], index: dict, batch_si
                         "restore it or extract again")
     engine = WhisperFlashEngine(EngineOptions(model=index["model"], speculative=False, dtype=index["dtype"],
                                               device="auto"))
-    bar = tqdm(total=len(todo), desc="encode", unit="clip", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    by_audio: dict[str, list[TeacherUtterance]] = {}  # one encoder pass per audio file
+    for u in todo:
+        by_audio.setdefault(u.audio, []).append(u)
+    audios = list(by_audio)
+    bar = tqdm(total=len(audios), desc="encode", unit="clip", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     with bar:
-        for start in range(0, len(todo), batch_size):
-            part = todo[start : start + batch_size]
-            encoded = engine.encode(engine.log_mel([load_audio(u.audio) for u in part]))
-            for u, e in zip(part, encoded):
-                u.encoder = known[(u.audio, index["dtype"])] = e.to(torch.float16).cpu().clone()
+        for start in range(0, len(audios), batch_size):
+            part = audios[start : start + batch_size]
+            encoded = engine.encode(engine.log_mel([load_audio(a) for a in part]))
+            for audio, e in zip(part, encoded):
+                known[(audio, index["dtype"])] = e.to(torch.float16).cpu().clone()
+                for u in by_audio[audio]:
+                    u.encoder = known[(audio, index["dtype"])]
             bar.update(len(part))

@@ -336,7 +336,7 @@ class RecipeRun:
         options = self.train_options()
         main = Trainer(options, progress=self.progress)
         summary = {"main": main.run()}
-        data = (main.train_index, main.train, main.val_sets, main.report_sets)
+        data = (main.train_index, main.train, main.val_sets, main.report_sets, main.unencoded)
         del main  # its acoustic cache; the loaded utterances (and their recomputed encoder outputs) stay
         final = self.work / "drafter"
         if final.exists():

@@ -105,8 +105,9 @@ def lr_at(step: int, options: TrainOptions) -> float:
 
 class Trainer:
     def __init__(self, options: TrainOptions, progress: bool = True, data=None):
-        """data: (train index, train utterances, validation utterances by folder) already loaded by another
-        Trainer of the same teacher folders (a recipe's ablation arms), instead of loading them again."""
+        """data: (train index, train utterances, validation and report utterances by folder, training
+        folders still to encode) already loaded by another Trainer of the same teacher folders (a
+        recipe's ablation arms), instead of loading them again."""
         from transformers import WhisperForConditionalGeneration
 
         from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
@@ -132,9 +133,12 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
 
         if data is not None:
-            self.train_index, self.train, self.val_sets, self.report_sets = data
+            self.train_index, self.train, self.val_sets, self.report_sets, self.unencoded = data
         else:
-            self.train_index, self.train = self._load(options.teacher, progress)
+            # the training clips' encoder outputs are recomputed only when an update needs them (`run`):
+            # resuming a run whose updates are done (to merge or evaluate) skips that (~15 min for base)
+            self.unencoded: list = []
+            self.train_index, self.train = self._load(options.teacher, progress, unencoded=self.unencoded)
             self.val_sets = self._load_sets(options.validation, progress)
             self.report_sets = self._load_sets(options.report, progress)
         self.val = [u for utts in self.val_sets.values() for u in utts]
@@ -186,18 +190,35 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
     @staticmethod
-    def _load(folders, progress: bool = False):
+    def _load(folders, progress: bool = False, unencoded: list | None = None):
+        """(index, utterances) of these teacher folders, encoder outputs recomputed where the extraction
+        did not keep them; with `unencoded` (a list), each folder's (index, utterances) is put there
+        instead, for `encode_training_clips` to recompute later."""
         from sglang_omni_flash.training.extract import load_teacher, recompute_encoders
 
         index, utts, known = None, [], {}
         for folder in folders:
             idx, part = load_teacher(folder)
-            recompute_encoders(part, idx, progress=progress, known=known)
+            if unencoded is None:
+                recompute_encoders(part, idx, progress=progress, known=known)
+            else:
+                unencoded.append((idx, part))
             if index is not None and TargetIdentity.of_record(idx).differences(TargetIdentity.of_record(index)):
                 raise UserError(f"{folder} was extracted from another target than {folders[0]}")
             index = index or idx
             utts += part
         return index, utts
+
+    def encode_training_clips(self) -> None:
+        """Recompute the training clips' encoder outputs that `_load` left for later (once: the
+        utterances are shared with ablation arms, which then find them done)."""
+        from sglang_omni_flash.training.extract import recompute_encoders
+
+        known: dict = {}
+        while self.unencoded:
+            idx, part = self.unencoded[0]
+            recompute_encoders(part, idx, progress=self.progress, known=known)
+            self.unencoded.pop(0)
 
     def _check_teacher(self, index: dict) -> None:
         if TargetIdentity.of_record(index).differences(TargetIdentity.of_target(self.target)):
@@ -268,6 +289,7 @@ class Trainer:
 
     def batch_for(self, step: int):
         """The utterances and anchors of update `step` (a pure function of seed and step)."""
+        self.encode_training_clips()  # a no-op once done
         n, bs = len(self.train), min(self.options.batch_size, len(self.train))
         per_epoch = max(1, n // bs)
         epoch, k = divmod(step, per_epoch)
