@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_omni_flash.flash.pacing import Pacer
+from sglang_omni_flash.flash.pacing import Pacer, round_price
 
 
 def test_first_a_round_then_a_step_then_by_cost():
@@ -30,11 +30,31 @@ def test_rounds_that_do_not_pay_back_off_and_are_probed_again():
             pacer.record_round(2, 0.030, tokens_per_request=1.2)  # the probe did not pay either
         else:
             plain += 1
-    assert gaps[:5] == [1, 2, 4, 4, 4]  # plain steps between probe rounds: doubling, capped
+    # plain steps between probes, doubling, capped; a probe is two rounds (the first runs on caches
+    # the plain steps filled, the second is measured)
+    assert gaps[:10] == [1, 0, 2, 0, 4, 0, 4, 0, 4, 0]
     pacer.record_round(2, 0.030, tokens_per_request=9.0)  # a probe that accepted a lot
     while pacer.skip:
         pacer.speculate(2)
     assert all(pacer.speculate(2) for _ in range(5))  # rounds pay again: back to speculating
+
+
+def test_a_round_after_plain_steps_adds_its_tokens_but_not_its_seconds():
+    pacer = Pacer(smoothing=1.0, probe_budget=100.0)
+    pacer.record_round(1, 0.030, tokens_per_request=4.0)
+    pacer.record_step(1, 0.010)
+    assert pacer.speculate(1)  # pays: 4 tokens for 3 steps
+    pacer.record_round(1, 0.031, tokens_per_request=4.0)
+    assert pacer.round_s[1] == 0.031  # a round after a round: measured
+    pacer.gain = 2.0  # a stretch the drafter knows less well
+    assert not pacer.speculate(1)  # steps aside
+    pacer.record_step(1, 0.010)
+    assert pacer.speculate(1)  # the probe's first round, on caches the step filled
+    pacer.record_round(1, 0.055, tokens_per_request=4.0)
+    assert pacer.round_s[1] == 0.031 and pacer.gain == 4.0  # its tokens count, its seconds do not
+    assert pacer.speculate(1)  # the probe's second round: measured
+    pacer.record_round(1, 0.032, tokens_per_request=4.0)
+    assert pacer.round_s[1] == 0.032
 
 
 def test_an_unmeasured_batch_size_borrows_the_nearest_ratio():
@@ -75,6 +95,30 @@ def tiny(tiny_en_model_dir, test_clips):
     encoded = engine.encode(engine.features([c.audio for c in test_clips[:8]]))
     greedy = [r.tokens for r in engine.decode(encoder_out=encoded, speculative=False)]
     return engine, encoded, greedy
+
+
+def test_a_probe_is_priced_without_the_history_backlog_it_catches_up_on():
+    """A round costs 2 plain steps and emits 3 tokens, plus 1 ms of history projection per position.
+    A probe after k plain steps projects k more positions; priced whole it would look like it does
+    not pay, and each longer stretch of plain steps would make the next probe dearer still."""
+    step, own, per_position, gain = 0.010, 0.017, 0.001, 3.0
+
+    def probe(k: int) -> float:  # the round's seconds and the price the pacer is told
+        history = per_position * (gain + k)
+        return round_price(own + history, gain, history, gain + k)
+
+    assert round_price(own + 0.003, gain, 0.003, gain) == own + 0.003  # a round after a round: as measured
+    for k in (0, 8, 64):
+        assert probe(k) == pytest.approx(own + per_position * gain)
+    pacer = Pacer()
+    pacer.record_step(1, step)
+    pacer.record_round(1, (own + per_position * (gain + 64)), gain)  # priced whole: 8.1 ms over 2 steps' worth
+    assert not pacer.speculate(1)
+    fair = Pacer()
+    fair.record_step(1, step)
+    fair.record_round(1, probe(64), gain)
+    assert fair.speculate(1)
+    assert round_price(0.02, 3.0) == 0.02  # no history projected: unchanged
 
 
 def test_paced_decoding_steps_aside_for_a_drafter_that_proposes_garbage(tiny):

@@ -11,6 +11,7 @@ Finished requests are compacted out of every buffer, so the live rows are always
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from torch.profiler import record_function
@@ -185,6 +186,9 @@ class DrafterProposer:
         self._graphs: dict = {}
         self._graph_failed = False
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states, positions) not yet projected
+        # the last projection: seconds and positions per request (the pacer prices a round without
+        # the backlog of plain steps it caught up on: flash.pacing.round_price)
+        self.history_s, self.history_positions = 0.0, 0.0
         self._order: torch.Tensor | None = None  # buffer row of each live row while retirements are pending
         self._audio: torch.Tensor | None = None  # this batch's encoder output until its acoustic K/V are made
         if self.graphs_on:
@@ -273,8 +277,10 @@ class DrafterProposer:
         self._audio = None
 
     def _project_pending(self) -> None:
+        self.history_s, self.history_positions = 0.0, 0.0
         if not self._pending:
             return
+        started = time.perf_counter()
         n = self._pending[0][1].shape[0]
         states = torch.cat([s for s, _ in self._pending], dim=1)
         positions = torch.cat([p for _, p in self._pending], dim=1)
@@ -288,6 +294,7 @@ class DrafterProposer:
                 self.hist_v[i, :n].index_put_(index, v[:, :, start:start + t])
             start += t
         self._pending.clear()
+        self.history_s, self.history_positions = time.perf_counter() - started, float(start)
 
     def retire(self, keep: torch.Tensor) -> None:
         """Only rows `keep` stay. Pending states are cut to those rows; the K/V buffers (~130 MB

@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from sglang_omni_flash.flash.logit_rules import LogitRules, Prefix
 from sglang_omni_flash.flash.options import SpecOptions
-from sglang_omni_flash.flash.pacing import Backoff, Pacer
+from sglang_omni_flash.flash.pacing import Backoff, Pacer, round_price
 from sglang_omni_flash.flash.rounds import (
     RoundRequest, allowed_candidates, draft_round, settle_round, token_logprobs,
 )
@@ -215,7 +215,10 @@ class SpeculativeDecoder:
         rows = self.round(live, results, num) if speculate else self.step(live, results)
         seconds = self.clock() - start - self._retire_s  # retiring rows costs the same either way
         if speculate:
-            self.pacer.record_round(n, seconds, (sum(len(r.generated) for r in live) - before) / n)
+            gain = (sum(len(r.generated) for r in live) - before) / n
+            price = round_price(seconds, gain, getattr(self.proposer, "history_s", 0.0),
+                                getattr(self.proposer, "history_positions", 0.0))
+            self.pacer.record_round(n, price, gain)
         else:
             self.pacer.record_step(n, seconds)
         return rows

@@ -37,6 +37,14 @@ class Pacer:
     backoff: int = 1
     rounds: int = 0  # decisions taken (for reports)
     steps: int = 0
+    # A round right after plain steps runs on caches the steps filled (the drafter's weights and
+    # memories evicted): on an AMX Xeon, base, bf16, batch 1, such a round took 50-60 ms against
+    # ~35 ms for a round after a round, with plain steps at ~11 ms, so probes priced that way made
+    # rounds that pay 1.4x look like a loss. A probe is therefore two rounds, and a round after a
+    # step adds only its tokens to the averages, not its seconds (once a round has been measured).
+    after_step: bool = False  # the last decision was a plain step
+    second_probe: bool = False  # the next decision is the probe's measured round
+    cold: bool = False  # the round just decided follows a plain step
 
     def speculate(self, n: int, ready: bool = True) -> bool:
         """Take a round now (True) or a plain step (False) with n live requests; `ready`: this
@@ -46,14 +54,20 @@ class Pacer:
             self.rounds += 1
         else:
             self.steps += 1
+        self.cold = decision and self.after_step
+        self.after_step = not decision
         return decision
 
     def _decide(self, n: int, ready: bool) -> bool:
         ratio = self.cost_ratio(n)
         if ratio is None or self.gain is None:
             return not self.round_s  # measure a round first (speculation is the default), then a step
-        if self.skip > 0:  # stepping aside; the last of these steps is followed by a probe round
+        if self.second_probe:
+            self.second_probe = False
+            return True
+        if self.skip > 0:  # stepping aside; the last of these steps is followed by a probe (two rounds)
             self.skip -= 1
+            self.second_probe = self.skip == 0
             return self.skip == 0
         if self.gain >= (1.0 + self.margin) * ratio:
             self.backoff = 1
@@ -81,7 +95,8 @@ class Pacer:
         return None if ratio is None or self.gain is None else self.gain / ratio
 
     def record_round(self, n: int, seconds: float, tokens_per_request: float) -> None:
-        self.round_s[n] = self._average(self.round_s.get(n), seconds)
+        if not (self.cold and n in self.round_s):
+            self.round_s[n] = self._average(self.round_s.get(n), seconds)
         self.gain = self._average(self.gain, tokens_per_request)
 
     def record_setup(self, n: int, seconds: float) -> None:
@@ -92,6 +107,22 @@ class Pacer:
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
+
+
+def round_price(seconds: float, tokens_per_request: float, history_s: float = 0.0,
+                history_positions: float = 0.0) -> float:
+    """What the pacer is told a round cost: its time, with the drafter's history projection inside
+    it counted for the positions a run of rounds projects per round (the tokens it emitted), not for
+    the backlog it caught up on. history_positions: positions projected per request in that call.
+
+    A drafter projects the target's history states only when it next drafts, so a probe round after
+    k plain steps also projects those k positions. Priced whole, every probe looks dearer than the
+    rounds it stands for, the pacer steps aside again, and the next probe carries a longer backlog
+    (measured on an AMX Xeon, bf16, batch 1: rounds that ran at 1.5x plain steps were refused).
+    Cost only, never output."""
+    if history_positions <= tokens_per_request or history_s <= 0.0:
+        return seconds
+    return seconds - history_s + history_s * tokens_per_request / history_positions
 
 
 def batch_min_path_prob(at_one: float, n: int) -> float:

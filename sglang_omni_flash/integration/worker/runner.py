@@ -39,7 +39,7 @@ from sglang_omni.model_runner.base import ModelRunner
 
 from sglang_omni_flash.flash.logit_rules import LogitRules
 from sglang_omni_flash.flash.options import SpecOptions
-from sglang_omni_flash.flash.pacing import Pacer
+from sglang_omni_flash.flash.pacing import Pacer, round_price
 from sglang_omni_flash.flash.rounds import RoundRequest, allowed_candidates, draft_round, settle_round
 from sglang_omni_flash.integration.scoring.metrics import SpecMetrics
 from sglang_omni_flash.integration.worker.compute_turns import StepTurnsMixin
@@ -227,7 +227,11 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
         t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
         drafting = [j for j, r in enumerate(round_requests) if r.num]
         with torch.inference_mode():
-            self.memories.project_pending([members[j].state for j in drafting])
+            states = [members[j].state for j in drafting]
+            history_positions = sum(state.pending_rows for state in states) / len(states)
+            history_t0 = time.perf_counter()
+            self.memories.project_pending(states)
+            history_s = time.perf_counter() - history_t0
             logits = torch.stack(self.memories.draft_logits(
                 [(members[j].state, round_requests[j].generated[-1], members[j].prefix_len) for j in drafting]))
             plan = draft_round(round_requests, self.spec, logits=logits[:, : self.k], drafted=drafting)
@@ -243,7 +247,9 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
                 out = self._speculate(plan, members, extra, schedule_batch)
             if self.pacer is not None:
                 emitted = sum(len(self.step_tokens.get(req.rid, ())) or 1 for req in reqs)
-                self.pacer.record_round(len(reqs), time.perf_counter() - t0, emitted / len(reqs))
+                gain = emitted / len(reqs)
+                self.pacer.record_round(len(reqs), round_price(time.perf_counter() - t0, gain, history_s,
+                                                               history_positions), gain)
             return out
         except BaseException:
             if not self._committed and extra is not None:
