@@ -117,9 +117,9 @@ def round_price(seconds: float, tokens_per_request: float, history_s: float = 0.
 
     A drafter projects the target's history states only when it next drafts, so a probe round after
     k plain steps also projects those k positions. Priced whole, every probe looks dearer than the
-    rounds it stands for, the pacer steps aside again, and the next probe carries a longer backlog
-    (measured on an AMX Xeon, bf16, batch 1: rounds that ran at 1.5x plain steps were refused).
-    Cost only, never output."""
+    rounds it stands for, the pacer steps aside again, and the next probe carries a longer backlog.
+    (On an AMX Xeon, bf16, base, batch 1 this alone did not change the bench: 1.07x; pricing the
+    cold first round of a probe apart, in `Pacer`, did: 1.47x.) Cost only, never output."""
     if history_positions <= tokens_per_request or history_s <= 0.0:
         return seconds
     return seconds - history_s + history_s * tokens_per_request / history_positions
