@@ -33,6 +33,7 @@ from sglang_omni_flash.flash.rounds import (
 )
 from sglang_omni_flash.flash.accept import probs_from_logits, sample_tokens
 from sglang_omni_flash.flash.tree import move_plan, tree_attention_mask
+from sglang_omni_flash.kernels.argmax import argmax
 
 
 # ---------------------------------------------------------------------------------- protocols
@@ -268,7 +269,7 @@ class SpeculativeDecoder:
         if self.temperature > 0:
             picks = sample_tokens(probs_from_logits(shaped, self.temperature), self.generator)
         else:
-            picks = shaped.argmax(-1)
+            picks = argmax(shaped)
         tokens = picks.tolist()
         for row, token, lp in zip(rows, tokens, token_logprobs(shaped, tokens)):
             results[row.rid].target_calls += 1

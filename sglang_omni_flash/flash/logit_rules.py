@@ -89,14 +89,22 @@ class Prefix:
         return Prefix(lo, hi, cat("length"), cat("last"), cat("penultimate"), cat("last_timestamp"))
 
 
+def _fill_columns(logits: torch.Tensor, columns: torch.Tensor) -> None:
+    """-inf into these columns of every row. index_fill_ writes the few suppressed columns only; a
+    masked_fill_ with a [V] mask reads and writes every element (2 ms against 0.01 ms for a batch-8
+    round's 72 rows of 51,865 on a 2-core EPYC)."""
+    logits.index_fill_(-1, columns, NEG_INF)
+
+
 class SuppressTokens:
     """`suppress_tokens`: never generated, at any position."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask  # [V] bool
+        self.columns = mask.nonzero()[:, 0]
 
     def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
-        logits.masked_fill_(self.mask, NEG_INF)
+        _fill_columns(logits, self.columns)
 
     def forbidden(self, col: torch.Tensor, prefix: Prefix) -> torch.Tensor:
         return self.mask[col]
@@ -107,12 +115,13 @@ class SuppressAtBegin:
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask  # [V] bool
+        self.columns = mask.nonzero()[:, 0]
 
     def apply(self, logits: torch.Tensor, prefix: Prefix) -> None:
         if prefix.min_length > 0:
             return
         if prefix.max_length == 0:
-            logits.masked_fill_(self.mask, NEG_INF)
+            _fill_columns(logits, self.columns)
             return
         if prefix.length is None:
             raise ValueError("rows at and after the first position need Prefix.length")

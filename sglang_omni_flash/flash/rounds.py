@@ -38,6 +38,7 @@ from sglang_omni_flash.flash.logit_rules import LogitRules, Prefix
 from sglang_omni_flash.flash.options import SpecOptions
 from sglang_omni_flash.flash.pacing import batch_min_path_prob
 from sglang_omni_flash.flash.tree import DraftTree, build_tree, greedy_tree_accept
+from sglang_omni_flash.kernels.argmax import argmax
 
 NO_STOP = -1  # the accept rules' "eos id" when stop tokens are cut afterwards (`_cut_at_stop`)
 
@@ -226,7 +227,7 @@ def _draft_group(group: _Group, members: list[RoundRequest], logits: Tensor, opt
             group.tree = build_tree(torch.softmax(shaped.float(), dim=-1), group.num, nodes,
                                     min_path_prob=batch_min_path_prob(options.tree_min_prob, batch))
             return
-        group.candidates = shaped.argmax(-1)
+        group.candidates = argmax(shaped)
         if options.min_draft_prob > 0:
             confidence = torch.softmax(shaped.float(), dim=-1).amax(dim=-1)
     elif group.mode == "timestamps":
@@ -307,7 +308,7 @@ def _accept(group: _Group, block: Tensor, generator) -> list[tuple[list[int], li
     """Per member: (emitted tokens, block rows that verified them, candidates accepted), before stops."""
     num = torch.tensor(group.num, dtype=torch.long, device=block.device)
     if group.tree is not None:
-        accepted, paths, nxt, _ = greedy_tree_accept(group.tree, block.argmax(-1).tolist(), group.num, NO_STOP)
+        accepted, paths, nxt, _ = greedy_tree_accept(group.tree, argmax(block).tolist(), group.num, NO_STOP)
         tokens = group.tree.token_lists
         return [([tokens[i][r - 1] for r in path] + [n], [0] + path, len(path))
                 for i, (path, n) in enumerate(zip(paths, nxt))]
@@ -320,7 +321,7 @@ def _accept(group: _Group, block: Tensor, generator) -> list[tuple[list[int], li
         res = speculative_sample(group.candidates, q, _tempered(block[:, : k + 1], group.temperatures),
                                  num, NO_STOP, generator)
     else:
-        res = greedy_accept(group.candidates, block[:, : k + 1], num, NO_STOP)
+        res = greedy_accept(group.candidates, argmax(block[:, : k + 1]), num, NO_STOP)
     cands = group.candidates.tolist()
     return [(cands[i][:a] + [n], list(range(a + 1)), a)
             for i, (a, n) in enumerate(zip(res.accepted.tolist(), res.next_token.tolist()))]
