@@ -14,6 +14,15 @@ transformers rows, where the encoder is timed apart), encoder share, corpus WER 
 and the real clips (Whisper's English normaliser + jiwer), and for Whisper-Flash rows the clips
 whose tokens equal the same-dtype greedy row's. Writes OUT.json, OUT.md and OUT.png.
 
+Long-form (`--long-form`, a manifest of 60-120 s files such as `whisper-flash corpus long-form
+--split val`): the rows are what a user would run on a recording. faster-whisper int8 transcribes
+each file sequentially (its 30 s sliding windows) and through its BatchedInferencePipeline (Silero
+VAD, batch 8, as asr_server_bench.py runs it); the engine rows cut each file where the server cuts
+it (sglang-omni's own RMSSplitter: windows of at most 30 s ending at quiet points) and decode all
+windows in batches of 8, joined per file as the server joins them. transformers is left out there
+(its long-form generate is another algorithm: sequential, timestamp-conditioned). "identical" then
+counts files whose every window's tokens equal greedy's.
+
 faster-whisper reads the CTranslate2 export that `whisper-flash models fetch` keeps (the same
 weights the engine converts). Nothing here is asserted in tests; compare ratios within one run.
 """
@@ -71,6 +80,30 @@ class EngineRow(Row):
         return [r.text for r in results], [r.tokens for r in results], total, total - decode, extra
 
 
+def server_windows(wave: np.ndarray) -> list[np.ndarray]:
+    """A long file cut as the server cuts it: sglang-omni's RMSSplitter, windows of at most 30 s
+    ending at the quietest point near each boundary (its default 0.5 s floor for a last window)."""
+    from sglang_omni.serve.transcription_chunking import RMSSplitter
+
+    return [wave[start:end] for start, end in RMSSplitter().split(wave, 16000, 30 * 16000, min_tail_s=0.5)]
+
+
+class LongFormEngineRow(EngineRow):
+    """The engine on long files: every file's server windows decoded together, in the engine's batches."""
+
+    def run(self, waves):
+        from sglang_omni.serve.transcription_chunking import join_transcript_parts
+
+        windows = [server_windows(w) for w in waves]
+        texts, tokens, total, encoder, extra = super().run([x for file in windows for x in file])
+        file_texts, file_tokens, start = [], [], 0
+        for file in windows:
+            file_texts.append(join_transcript_parts(texts[start: start + len(file)]))
+            file_tokens.append(tokens[start: start + len(file)])
+            start += len(file)
+        return file_texts, file_tokens, total, encoder, extra | {"windows": start}
+
+
 class TransformersRow(Row):
     name = "transformers generate() fp32"
 
@@ -101,21 +134,28 @@ class TransformersRow(Row):
 
 
 class FasterWhisperRow(Row):
-    def __init__(self, ct2_dir: Path, compute_type: str, batched: int, english_only: bool):
+    def __init__(self, ct2_dir: Path, compute_type: str, batched: int, english_only: bool, long_form: bool = False):
         from faster_whisper import BatchedInferencePipeline, WhisperModel
 
         self.model = WhisperModel(str(ct2_dir), device="cpu", compute_type=compute_type, cpu_threads=2)
         self.pipeline = BatchedInferencePipeline(self.model) if batched else None
         self.batched = batched
+        self.long_form = long_form
         self.language = None if english_only else "en"
-        self.name = f"faster-whisper {compute_type}" + (f", batched pipeline ({batched} a call)" if batched else "")
+        self.name = f"faster-whisper {compute_type}" + (
+            f", batched pipeline ({'VAD windows' if long_form else 'clips'}, {batched} a call)" if batched else "")
 
     def run(self, waves):
         options = dict(language=self.language, beam_size=1, temperature=0.0, without_timestamps=True,
                        condition_on_previous_text=False, vad_filter=False)
         start = time.perf_counter()
         texts = []
-        if self.pipeline is None:
+        if self.pipeline is not None and self.long_form:  # a file a call, its VAD windows batched
+            options.pop("vad_filter")
+            for wave in waves:
+                segments, _ = self.pipeline.transcribe(wave, batch_size=self.batched, **options)
+                texts.append("".join(s.text for s in segments).strip())
+        elif self.pipeline is None:
             for wave in waves:
                 segments, _ = self.model.transcribe(wave, **options)
                 texts.append("".join(s.text for s in segments).strip())
@@ -139,18 +179,21 @@ def build_rows(args, model_dir: Path, dtypes: list[str]) -> list[Row]:
     from sglang_omni_flash.engine.options import EngineOptions
     from sglang_omni_flash.models.embedded import ct2_dir
 
-    rows: list[Row] = [TransformersRow(model_dir)]
+    long_form = args.long_form
+    rows: list[Row] = [] if long_form else [TransformersRow(model_dir)]
     ct2 = ct2_dir(args.model) if args.model in ("base", "tiny.en") else None
     if ct2 is not None and (ct2 / "model.bin").is_file():
         english_only = args.model.endswith(".en")
-        rows += [FasterWhisperRow(ct2, "float32", 0, english_only), FasterWhisperRow(ct2, "int8", 0, english_only),
-                 FasterWhisperRow(ct2, "int8", 8, english_only)]
+        rows += [] if long_form else [FasterWhisperRow(ct2, "float32", 0, english_only)]
+        rows += [FasterWhisperRow(ct2, "int8", 0, english_only), FasterWhisperRow(ct2, "int8", 8, english_only, long_form)]
     else:
         print(f"peers: no CTranslate2 export for {args.model}; faster-whisper rows left out", file=sys.stderr)
     for dtype in dtypes:
-        engine = WhisperFlashEngine(EngineOptions(model=args.model, dtype=dtype, threads=2))
-        label = f"this engine, {dtype}"
-        rows += [EngineRow(engine, False, f"{label}, greedy"), EngineRow(engine, True, f"{label}, Whisper-Flash")]
+        engine = WhisperFlashEngine(EngineOptions(model=args.model, dtype=dtype, threads=2,
+                                                  batch_size=8 if long_form else 1))
+        kind, label = (LongFormEngineRow, f"this engine, {dtype}, batch 8") if long_form else \
+            (EngineRow, f"this engine, {dtype}")
+        rows += [kind(engine, False, f"{label}, greedy"), kind(engine, True, f"{label}, Whisper-Flash")]
     return rows
 
 
@@ -169,6 +212,8 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", default=None, help="engine dtypes (default: float32, plus bfloat16 on an AMX CPU)")
+    p.add_argument("--long-form", action="store_true",
+                   help="the manifest holds long files (60-120 s): server windows for the engine, no transformers row")
     p.add_argument("--out", default="docs/peers-cpu", help="writes OUT.json, OUT.md, OUT.png")
     args = p.parse_args()
 
@@ -177,7 +222,7 @@ def main() -> int:
     manifest = Path(args.manifest) if args.manifest else build_test_set(audio_dir(), progress=False).combined
     clips = read_manifest(manifest)[: args.limit]
     waves = [load_audio(c.audio) for c in clips]
-    audio_s = sum(min(len(w) / 16000, 30.0) for w in waves)
+    audio_s = sum(len(w) / 16000 if args.long_form else min(len(w) / 16000, 30.0) for w in waves)
     flags = cpu_flags()
     dtypes = args.dtypes.split(",") if args.dtypes else ["float32"] + (["bfloat16"] if native_bf16(flags) else [])
     print(f"peers: {cpu_summary(flags)}; auto dtype {choose_dtype('auto', 'cpu').describe()}; {len(clips)} clips, "
@@ -199,15 +244,16 @@ def main() -> int:
                 outputs.setdefault(row.name, (texts, tokens, extra))
                 bar.update()
 
-    synth = [i for i, c in enumerate(clips) if not c.voice.startswith("librivox")]
-    real = [i for i, c in enumerate(clips) if c.voice.startswith("librivox")]
+    real = [i for i, c in enumerate(clips) if c.voice.startswith(("librivox", "real:"))]
+    synth = [i for i in range(len(clips)) if i not in real]
     table = []
     for row in rows:
         total = statistics.median(t for t, _ in times[row.name])
         encs = [e for _, e in times[row.name] if e is not None]
         encoder = statistics.median(encs) if encs else None
         texts, tokens, extra = outputs[row.name]
-        n_tokens = sum(len(t) for t in tokens) if tokens is not None else None
+        n_tokens = None if tokens is None else sum(  # long-form: a file's tokens are its windows' lists
+            sum(len(w) for w in t) if t and isinstance(t[0], list) else len(t) for t in tokens)
         entry = {
             "row": row.name, "audio_s_per_s": round(audio_s / total, 3), "time_s": round(total, 3),
             "encoder_share": None if encoder is None else round(encoder / total, 3),
@@ -230,7 +276,8 @@ def main() -> int:
         for entry in table:
             entry["x_faster_whisper_int8_batched"] = round(entry["audio_s_per_s"] / batched["audio_s_per_s"], 3)
 
-    report = {"cpu": cpu_summary(flags), "torch_threads": 2, "clips": len(clips), "audio_s": round(audio_s, 2),
+    report = {"cpu": cpu_summary(flags), "torch_threads": 2, "clips": len(clips), "long_form": args.long_form,
+              "audio_s": round(audio_s, 2),
               "repeats": args.repeats, "model": args.model, "manifest": str(manifest), "rows": table}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +292,8 @@ def markdown(report: dict) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
-    lines = [f"{report['model']}, {report['clips']} clips ({report['audio_s']:.0f} s), {report['cpu']}, "
+    unit = "long files" if report.get("long_form") else "clips"
+    lines = [f"{report['model']}, {report['clips']} {unit} ({report['audio_s']:.0f} s), {report['cpu']}, "
              f"{report['torch_threads']} threads, median of {report['repeats']} interleaved repeats", "",
              "| runtime | audio s/s | x greedy (same dtype) | decode tok/s | encoder share | WER synthetic / real | "
              "identical to greedy |", "|---|---:|---:|---:|---:|---|---|"]
