@@ -5,7 +5,7 @@
 
 Rows: transformers `generate()` fp32 (SDPA); faster-whisper fp32 and int8, one clip a call and its
 BatchedInferencePipeline (8 clips a call); this engine's greedy and Whisper-Flash in each dtype
-(default: float32, plus bfloat16 where the CPU has AMX-BF16; bf16 elsewhere is emulated and slow).
+(default: float32, plus bfloat16 where the CPU has AMX-BF16 or AVX512-BF16; bf16 elsewhere is emulated and slow).
 Every row decodes greedily with the English prompt, no timestamps, no temperature fallback, no VAD,
 2 threads. Timed from the 16 kHz waveform to the text (faster-whisper computes its own log-mel,
 so the engine rows include theirs); repeats are interleaved (each repeat runs every row, in a
@@ -211,7 +211,8 @@ def main() -> int:
     p.add_argument("--manifest", default=None, help="default: the test set (synthetic voices + real LibriVox lines)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtypes", default=None, help="engine dtypes (default: float32, plus bfloat16 on an AMX CPU)")
+    p.add_argument("--dtypes", default=None,
+                   help="engine dtypes (default: float32, plus bfloat16 on a CPU with AMX-BF16 or AVX512-BF16)")
     p.add_argument("--long-form", action="store_true",
                    help="the manifest holds long files (60-120 s): server windows for the engine, no transformers row")
     p.add_argument("--out", default="docs/peers-cpu", help="writes OUT.json, OUT.md, OUT.png")

@@ -1,16 +1,19 @@
 """What this machine offers for inference, and the dtype `auto` picks from it.
 
 One rule for every command (engine, teacher extraction, serving): on CUDA float16; on a CPU
-bfloat16 when the CPU has native bf16 matrix units (AMX-BF16), float32 otherwise. Read at run
-time from /proc/cpuinfo, so the same install picks per machine.
+bfloat16 when the CPU has bf16 matrix instructions (AMX-BF16 tiles or AVX512-BF16 dot products),
+float32 otherwise. Read at run time from /proc/cpuinfo, so the same install picks per machine.
 
-Why AMX only: on an AMX CPU the project's engine decodes base 2.2x faster in bf16 than in fp32
-(measured on an AMX Xeon before the row-invariant kernels: a target pass of 9 rows 16.2 ms fp32 vs 11.7 ms bf16, a 30 s encoder
-window 0.325 s vs 0.095 s). Without AMX, bf16 matmuls are converted or emulated: on this
-project's AVX2 machine (AMD EPYC, no avx512_bf16) a bf16 encoder window takes 5.6 s against 0.75 s
-in fp32. AVX512-BF16 without AMX (a dot-product instruction, not a tile unit), measured on an AMD
-EPYC: the encoder 1.6x faster in bf16 but a decoder step 1.25x slower, greedy level end to end,
-Whisper-Flash 1.14x; not yet measured through the server, so it stays float32 (docs/engine.md).
+Why: the target's row-invariant kernels (kernels/row_linear.cpp) run bf16 on those instructions
+at full speed. Measured, base, 2 threads, audio s/s greedy bf16 / fp32:
+- an AMX Xeon: a target pass of 9 rows 11.7 ms bf16 vs 16.2 ms fp32, a 30 s encoder window
+  0.095 s vs 0.325 s;
+- a 2-core AMD EPYC with AVX512-BF16 and no AMX, 2026-12-07 (docs/engine.md): 24 librispeech-mini
+  val windows 25.0 / 16.7 at batch 1 and 32.4 / 23.7 at batch 8; 8 long files through the
+  engine's batch 8 42.7 / 29.8, WER 4.6% / 4.3%. (Before the row-invariant kernels bf16 decode steps
+  were slower there and greedy came out level, so `auto` had stayed float32.)
+Without either, bf16 matmuls are emulated: on an AVX2-only EPYC a bf16 encoder window takes 5.6 s
+against 0.75 s in fp32.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 DTYPES = ("float32", "float16", "bfloat16")
 # CPU flags (as /proc/cpuinfo spells them) that make bf16 the CPU's auto dtype
-NATIVE_BF16_FLAGS = ("amx_bf16",)
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # flags worth naming in a command's first line and in benchmark notes
 REPORTED_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
@@ -40,7 +43,7 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
 
 
 def native_bf16(flags: frozenset[str]) -> bool:
-    """bf16 matrix tiles (AMX): bf16 is the CPU's auto dtype."""
+    """bf16 matrix instructions (AMX tiles or AVX512-BF16 dot products): bf16 is the CPU's auto dtype."""
     return any(f in flags for f in NATIVE_BF16_FLAGS)
 
 
@@ -74,7 +77,7 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | None 
     if native_bf16(flags):
         have = "/".join(f for f in NATIVE_BF16_FLAGS if f in flags)
         return DtypeChoice("bfloat16", f"auto: CPU has {have}")
-    return DtypeChoice("float32", "auto: CPU has no AMX-BF16")
+    return DtypeChoice("float32", "auto: no AMX-BF16 or AVX512-BF16 on this CPU")
 
 
 def choose_device(requested: str) -> str:

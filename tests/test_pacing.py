@@ -12,10 +12,25 @@ def test_first_a_round_then_a_step_then_by_cost():
     pacer = Pacer()
     assert pacer.speculate(4)  # nothing measured: speculate
     pacer.record_round(4, 0.030, tokens_per_request=3.0)
-    assert not pacer.speculate(4)  # a plain step, to know what a round must beat
+    assert not pacer.speculate(4)  # plain steps, to know what a round must beat
+    pacer.record_step(4, 0.025)  # right after the round: on caches the drafter filled
+    assert not pacer.speculate(4)  # so a second one, after a step, sets the price
     pacer.record_step(4, 0.015)
     assert pacer.pays(4) == pytest.approx(1.5)
     assert all(pacer.speculate(4) for _ in range(5))
+
+
+def test_a_step_right_after_a_round_does_not_move_the_price_of_a_step():
+    pacer = Pacer(smoothing=1.0)
+    pacer.record_round(8, 0.060, tokens_per_request=4.0)
+    pacer.record_step(8, 0.015)  # warm (no decision before it)
+    pacer.gain, pacer.round_s[8] = 1.0, 0.100  # rounds stop paying: the pacer steps aside
+    assert not pacer.speculate(8)
+    pacer.after_step = False  # as if a round had just run
+    pacer.speculate(8)
+    pacer.cold_step = True
+    pacer.record_step(8, 0.030)
+    assert pacer.step_s[8] == 0.015
 
 
 def test_rounds_that_do_not_pay_back_off_and_are_probed_again():
@@ -32,7 +47,7 @@ def test_rounds_that_do_not_pay_back_off_and_are_probed_again():
             plain += 1
     # plain steps between probes, doubling, capped; a probe is two rounds (the first runs on caches
     # the plain steps filled, the second is measured)
-    assert gaps[:10] == [1, 0, 2, 0, 4, 0, 4, 0, 4, 0]
+    assert gaps[:10] == [2, 0, 2, 0, 4, 0, 4, 0, 4, 0]  # a probe loses 2 x 0.8 steps: 2 steps before the first
     pacer.record_round(2, 0.030, tokens_per_request=9.0)  # a probe that accepted a lot
     while pacer.skip:
         pacer.speculate(2)
@@ -69,11 +84,11 @@ def test_an_unmeasured_batch_size_borrows_the_nearest_ratio():
 
 
 def test_probes_are_rarer_where_a_round_costs_far_more_than_it_brings():
-    pacer = Pacer(max_backoff=64, smoothing=1.0, probe_budget=0.05)
+    pacer = Pacer(max_backoff=128, smoothing=1.0, probe_budget=0.05)
     pacer.record_round(8, 0.12, 2.0)
-    pacer.record_step(8, 0.03)  # at 8 requests a round costs 4 steps and brings 2: a probe loses 2
+    pacer.record_step(8, 0.03)  # at 8 requests a round costs 4 steps and brings 2: a probe (two rounds) loses 4
     assert not pacer.speculate(8)
-    assert pacer.skip == 40  # 2 steps lost in at most 5% of the plain steps before the probe
+    assert pacer.skip == 80  # 4 steps lost in at most 5% of the plain steps before the probe
     pacer.record_round(1, 0.0205, 2.0)
     pacer.record_step(1, 0.010)  # at 1 request a round costs 2.05 steps: a probe loses 0.05
     pacer.skip = 0
@@ -160,3 +175,21 @@ def test_busier_batches_verify_only_likelier_tree_nodes():
     # b / a = 0.05 / 0.95: at 4 requests a node must pay b per 4 b / (a + 4 b) of a token
     assert abs(batch_min_path_prob(0.05, 4) - (4 / 19) / (1 + 4 / 19)) < 1e-12
     assert batch_min_path_prob(0.0, 8) == 0.0
+
+
+def test_a_batch_that_has_not_paid_its_setup_needs_rounds_that_earn_it_back():
+    # rounds that beat steps by 5%: worth taking once the drafter's acoustic K/V exist, not worth
+    # paying 8 x 18 ms of them for (10 plain steps of 15 ms, earned back at 0.2 steps a round)
+    def pacer():
+        p = Pacer(smoothing=1.0)
+        p.record_round(8, 0.060, tokens_per_request=4.2)
+        p.record_step(8, 0.015)
+        p.record_setup(8, 8 * 0.018)
+        return p
+
+    assert pacer().pays(8) == pytest.approx(1.05)
+    assert pacer().speculate(8, ready=True)
+    assert not pacer().speculate(8, ready=False)
+    rich = pacer()
+    rich.record_round(8, 0.060, tokens_per_request=6.0)  # 1.5x: the set-up is earned in a round or two
+    assert rich.speculate(8, ready=False)

@@ -90,7 +90,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="weights and activations: auto (default) = float16 on CUDA; on a CPU bfloat16 where it "
-                        "has AMX-BF16, else float32")
+                        "has AMX-BF16 or AVX512-BF16, else float32")
 
 
 def engine_line(engine) -> str:

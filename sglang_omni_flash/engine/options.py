@@ -39,7 +39,7 @@ class EngineOptions:
     max_new_tokens: int | None = None
     # "auto" (cuda if available, else cpu), "cpu" or "cuda"
     device: str = "auto"
-    # "auto" (cuda: float16; cpu: bfloat16 where the CPU has AMX-BF16, else float32; see
+    # "auto" (cuda: float16; cpu: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32; see
     # hardware.choose_dtype), "float32", "float16" or "bfloat16"
     dtype: str = "auto"
     # CUDA only: replay prefill / draft / verify through captured CUDA graphs

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                         help="the ASR stage's weights and activations: auto (default) = on a CPU bfloat16 where it "
-                        "has AMX-BF16, else float32; on CUDA sglang-omni's default")
+                        "has AMX-BF16 or AVX512-BF16, else float32; on CUDA sglang-omni's default")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the ASR stage on CPU")
     parser.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                         help="Whisper-Flash speculative decoding: auto (default) = on when a shipped drafter "

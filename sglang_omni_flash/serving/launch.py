@@ -47,7 +47,7 @@ class ServeOptions:
     speculative: Literal["auto", "on", "off"] = "off"
     draft_model: str | None = None  # drafter checkpoint directory (default: the shipped one that fits)
     # weights and activations of the ASR stage on CPU (its target and the decode worker's drafter):
-    # "auto" = hardware.choose_dtype (bfloat16 on an AMX CPU, else float32), or a dtype name. On CUDA
+    # "auto" = hardware.choose_dtype (bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32), or a dtype name. On CUDA
     # sglang-omni's own default stays unless a name is given.
     dtype: str = "auto"
 

@@ -56,7 +56,7 @@ class ExtractOptions:
     lookup_block: int = 12  # candidates per round of the reference-lookup proposer
     language: str | None = None  # as the engine: None = detect per clip (multilingual models)
     threads: int | None = None
-    dtype: str = "auto"  # the engine's rule (hardware.choose_dtype): bfloat16 on an AMX CPU, else float32
+    dtype: str = "auto"  # the engine's rule (hardware.choose_dtype): bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32
     store_encoder: bool = False  # False: training recomputes E(x) from the audio file (1.5 MB per clip saved, base)
     teacher_top: int = 8  # k of the stored top-k next-token log-probabilities (0: none)
     # decode with Whisper's timestamp tokens (no <|notimestamps|>, timestamp rules on): the continuations a
