@@ -1,6 +1,6 @@
 """Every kernel path of row_linear.cpp and row_attention.cpp is row-invariant and computes what it
-should, checked on this machine whatever its CPU: the kernel is built again for each older CPU class this CPU can run
-(`WHISPER_FLASH_MARCH`), in a subprocess, so an AMX machine also runs the AVX-512, AVX2 and
+should (row_argmax.cpp's: torch.argmax), checked on this machine whatever its CPU: the kernel is
+built again for each older CPU class this CPU can run (`WHISPER_FLASH_MARCH`), in a subprocess, so an AMX machine also runs the AVX-512, AVX2 and
 plain-vector paths that CPUs without AMX get, and an AVX2 machine the plain-vector one.
 
 Why it matters: which path runs is chosen by the CPU at build time, and the product's exactness
@@ -120,3 +120,33 @@ def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, nee
         attention = report[dtype]["attention"]
         assert attention["mismatches"] == 0, (march, dtype, attention)
         assert attention["max_err"] < (1e-5 if dtype == "float32" else 2e-2), (march, dtype, attention)
+
+
+ARGMAX_CHECK = textwrap.dedent("""
+    import torch
+    from sglang_omni_flash.kernels import argmax as kernel
+    assert kernel.available()
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(72, 51865, generator=g).to(dtype)
+        x[1, [51864, 7, 100]] = 50.0  # a tie
+        x[2, 500] = float("nan")
+        x[2, 400] = float("inf")
+        x[3] = float("-inf")
+        x[4, 51864] = float("nan")
+        for rows in (x, x[:, :33], x[:, :17]):
+            assert torch.equal(kernel.argmax(rows), rows.argmax(dim=-1)), dtype
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("march,needs", [c[:2] for c in CLASSES], ids=[c[0] for c in CLASSES])
+def test_each_cpu_class_argmax_is_torchs(march, needs):
+    """The greedy pick (row_argmax.cpp) equals torch.argmax on every build, ties and NaN included."""
+    missing = [f for f in needs if f not in FLAGS]
+    if missing:
+        pytest.skip(f"this CPU cannot run {march} code (no {', '.join(missing)})")
+    env = {**os.environ, "WHISPER_FLASH_MARCH": march}
+    run = subprocess.run([sys.executable, "-c", ARGMAX_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok")
