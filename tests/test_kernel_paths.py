@@ -99,14 +99,20 @@ assert "torch.set_num_threads(2)\n" in CHECK
 CHECK = CHECK.replace("torch.set_num_threads(2)\n", "torch.set_num_threads(2)\n" + ATTENTION, 1)
 
 
-@pytest.mark.parametrize("march,needs,fp32_path,bf16_path", CLASSES, ids=[c[0] for c in CLASSES])
-def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, needs, fp32_path, bf16_path):
+def _run_built_for(march: str, needs: tuple[str, ...], script: str) -> subprocess.CompletedProcess:
+    """`script` in a subprocess whose kernels are built for `march` (skipped where this CPU cannot run it)."""
     missing = [f for f in needs if f not in FLAGS]
     if missing:
         pytest.skip(f"this CPU cannot run {march} code (no {', '.join(missing)})")
     env = {**os.environ, "WHISPER_FLASH_MARCH": march}
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("march,needs,fp32_path,bf16_path", CLASSES, ids=[c[0] for c in CLASSES])
+def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, needs, fp32_path, bf16_path):
+    run = _run_built_for(march, needs, CHECK)
     report = json.loads(run.stdout.strip().splitlines()[-1])
     print(march, json.dumps(report, indent=1))
     assert report["float32"]["path"] == fp32_path
@@ -143,10 +149,5 @@ ARGMAX_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("march,needs", [c[:2] for c in CLASSES], ids=[c[0] for c in CLASSES])
 def test_each_cpu_class_argmax_is_torchs(march, needs):
     """The greedy pick (row_argmax.cpp) equals torch.argmax on every build, ties and NaN included."""
-    missing = [f for f in needs if f not in FLAGS]
-    if missing:
-        pytest.skip(f"this CPU cannot run {march} code (no {', '.join(missing)})")
-    env = {**os.environ, "WHISPER_FLASH_MARCH": march}
-    run = subprocess.run([sys.executable, "-c", ARGMAX_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _run_built_for(march, needs, ARGMAX_CHECK)
     assert run.stdout.strip().endswith("ok")

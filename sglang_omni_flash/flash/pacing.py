@@ -123,11 +123,9 @@ class Pacer:
     def record_step(self, n: int, seconds: float) -> None:
         if self.cold_step and self.warm_step and n in self.step_s:
             return
-        if not self.cold_step and self.warm_step is False and n in self.step_s:
-            self.step_s[n] = seconds  # the first warm step replaces the cold one
-        else:
-            self.step_s[n] = self._average(self.step_s.get(n), seconds)
-        self.warm_step = self.warm_step or not self.cold_step
+        first_warm = not self.cold_step and not self.warm_step  # replaces the cold price, not averaged in
+        self.step_s[n] = seconds if first_warm else self._average(self.step_s.get(n), seconds)
+        self.warm_step = self.warm_step or first_warm
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
