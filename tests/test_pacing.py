@@ -188,8 +188,24 @@ def test_a_batch_that_has_not_paid_its_setup_needs_rounds_that_earn_it_back():
         return p
 
     assert pacer().pays(8) == pytest.approx(1.05)
-    assert pacer().speculate(8, ready=True)
-    assert not pacer().speculate(8, ready=False)
+    assert pacer().speculate(8, unready=0)
+    assert not pacer().speculate(8, unready=8)
     rich = pacer()
     rich.record_round(8, 0.060, tokens_per_request=6.0)  # 1.5x: the set-up is earned in a round or two
-    assert rich.speculate(8, ready=False)
+    assert rich.speculate(8, unready=8)
+
+
+def test_the_set_up_counts_only_the_requests_that_have_not_paid_it():
+    # a server's batch: one new request among eight already drafting adds one request's set-up,
+    # not eight (rounds 5% better than steps pay it back within the 12 rounds; eight do not)
+    p = Pacer(smoothing=1.0)
+    p.record_round(8, 0.060, tokens_per_request=4.2)
+    p.record_step(8, 0.015)
+    p.record_setup(1, 0.018)
+    assert p.setup_s == pytest.approx(0.018)
+    assert p.speculate(8, unready=1)
+    q = Pacer(smoothing=1.0)
+    q.record_round(8, 0.060, tokens_per_request=4.2)
+    q.record_step(8, 0.015)
+    q.record_setup(1, 0.018)
+    assert not q.speculate(8, unready=8)

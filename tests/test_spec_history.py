@@ -143,3 +143,31 @@ def test_the_engines_lazy_retirement_and_acoustic_kv_keep_the_live_rows_memories
                       (lazy.ac_k, eager.ac_k), (lazy.ac_v, eager.ac_v)):
         torch.testing.assert_close(got[:, :live], want[:, :live], rtol=1e-5, atol=1e-6)
     assert live == 2 and lazy.hist_k[:, :live, :, 6].abs().sum() > 0
+
+
+def test_the_workers_acoustic_kv_wait_for_the_first_draft_and_are_made_together():
+    """A new request keeps its window's encoder states and gets its acoustic K/V only when
+    `prepare` is called before its first round: requests that never draft never pay, and the
+    requests prepared together in one call hold what the drafter makes for each alone."""
+    torch.manual_seed(4)
+    drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
+    n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
+    memories = DrafterMemories(drafter, MAX_POSITIONS, max_backoff=8)
+    g = torch.Generator().manual_seed(9)
+    encoder = [torch.randn(8, d, generator=g) for _ in range(3)]
+    with torch.inference_mode():
+        states = [memories.new_state(torch.randn(3, n_hist, d, generator=g), enc) for enc in encoder]
+        assert not any(state.ready for state in states)
+        assert memories.prepare(states[:2]) == 2  # the third does not draft yet
+        assert states[0].ready and states[1].ready and not states[2].ready
+        assert states[0].encoder_out is None and states[2].encoder_out is not None
+        assert memories.prepare(states) == 1  # only the one still without
+        assert memories.prepare(states) == 0
+        for state, enc in zip(states, encoder):
+            alone = drafter.acoustic_kv(enc[None])
+            for (gk, gv), (wk, wv) in zip(state.acoustic, alone):
+                torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6)
+        memories.project_pending(states)
+        logits = memories.draft_logits([(state, 1, state.length) for state in states])
+    assert len(logits) == 3 and all(torch.isfinite(x).all() for x in logits)

@@ -205,7 +205,7 @@ class SpeculativeDecoder:
         """A round or a plain step, as the pacer decides; its cost and yield go back to the pacer."""
         n, live = len(rows), list(rows)
         before = sum(len(r.generated) for r in live)
-        speculate = self.pacer.speculate(n, ready=self._ready)
+        speculate = self.pacer.speculate(n, unready=0 if self._ready else n)
         if speculate and not self._ready:  # the batch's one-off drafter set-up, timed apart from the round
             start = self.clock()
             self.proposer.prepare()

@@ -58,10 +58,10 @@ class Pacer:
     cold_step: bool = False  # the step just decided follows a round
     warm_step: bool = False  # a step that followed a step has been measured
 
-    def speculate(self, n: int, ready: bool = True) -> bool:
-        """Take a round now (True) or a plain step (False) with n live requests; `ready`: this
-        batch has paid its one-off set-up."""
-        decision = self._decide(n, ready)
+    def speculate(self, n: int, unready: int = 0) -> bool:
+        """Take a round now (True) or a plain step (False) with n live requests, `unready` of which
+        have not paid their one-off set-up (a round would pay it first)."""
+        decision = self._decide(n, unready)
         if decision:
             self.rounds += 1
         else:
@@ -71,7 +71,7 @@ class Pacer:
         self.after_step = not decision
         return decision
 
-    def _decide(self, n: int, ready: bool) -> bool:
+    def _decide(self, n: int, unready: int) -> bool:
         ratio = self.cost_ratio(n)
         if ratio is None or self.gain is None or not self.warm_step:
             return not self.round_s  # measure a round first (speculation is the default), then steps
@@ -83,7 +83,7 @@ class Pacer:
             self.second_probe = self.skip == 0
             return self.skip == 0
         step = self.step_s.get(n)
-        setup = self.setup_s * n / step if not ready and step and self.setup_s is not None else 0.0  # in steps
+        setup = self.setup_s * unready / step if unready and step and self.setup_s is not None else 0.0  # in steps
         if self.gain >= (1.0 + self.margin) * ratio + setup / self.setup_rounds:
             self.backoff = 1
             return True

@@ -4,9 +4,11 @@
                        states, armed around prefill and stock steps, so the drafter's memories
                        come from what the stage computes anyway;
 * ``DraftState``       one request's history K/V by position (rows kept pending until the request
-                       drafts again) and acoustic K/V, its back-off and its acceptance counts;
-* ``DrafterMemories``  makes states, projects every pending row of a batch in one drafter call and
-                       drafts every drafting request of a step in one drafter call.
+                       drafts again) and acoustic K/V (made at its first round), its back-off and
+                       its acceptance counts;
+* ``DrafterMemories``  makes states, makes the acoustic K/V of every request about to draft for the
+                       first time in one drafter call, projects every pending row of a batch in one
+                       drafter call and drafts every drafting request of a step in one drafter call.
 """
 
 from __future__ import annotations
@@ -82,12 +84,19 @@ class DraftState:
     """The drafter's memories of one request: history K/V by position, acoustic K/V once."""
 
     hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
-    acoustic: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, T, hd]
+    # per drafter layer (k, v) [1, H, T, hd]; None until the request first drafts (`encoder_out` kept till then)
+    acoustic: list[tuple[Tensor, Tensor]] | None
+    encoder_out: Tensor | None = None  # [T, d] the window's encoder states, while `acoustic` is None
     length: int = 0  # history positions 0..length-1 (== committed decoder length), pending ones included
     pending: list[Tensor] = field(default_factory=list)  # target states [n, n_hist, d] of the last
     # pending_rows positions (length - pending_rows .. length - 1), projected when the request drafts
     backoff: Backoff = field(default_factory=Backoff)  # pauses drafting after fruitless rounds
     stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the one-off set-up (the acoustic K/V) is done."""
+        return self.acoustic is not None
 
     @property
     def pending_rows(self) -> int:
@@ -121,22 +130,38 @@ class DrafterMemories:
         with torch.inference_mode():
             state = self.new_state(torch.zeros(4, len(cfg.history_layers), cfg.d_model, device=self._device),
                                    torch.zeros(encoder_len, cfg.d_model, device=self._device))
+            self.prepare([state])
             self.project_pending([state])
             self.draft_logits([(state, 0, state.length)])
         self._acoustic_batch = None
 
     def new_state(self, history: Tensor, encoder_out: Tensor) -> DraftState:
-        """history [P, n_hist, d] at positions 0..P-1, encoder_out [T, d]."""
-        d = self.drafter
-        cfg = d.config
+        """history [P, n_hist, d] at positions 0..P-1, encoder_out [T, d]. The acoustic K/V are made
+        by `prepare` when the request first drafts: a request that the pacer keeps on plain steps
+        (a busy batch where rounds do not pay) never pays for them."""
+        cfg = self.drafter.config
         hist = []
         for _ in range(cfg.n_layers):
             z = torch.zeros(1, cfg.n_heads, self.max_positions, cfg.head_dim, device=self._device, dtype=self._dtype)
             hist.append((z, z.clone()))
-        state = DraftState(hist=hist, acoustic=d.acoustic_kv(encoder_out[None].to(self._dtype)),
+        state = DraftState(hist=hist, acoustic=None, encoder_out=encoder_out.to(self._device, self._dtype),
                            backoff=Backoff(self.max_backoff))
         state.keep(history)
         return state
+
+    def prepare(self, states: list[DraftState]) -> int:
+        """Make the acoustic K/V of the states that have none yet, windows of one length in one
+        drafter call; -> how many were made (the pacer prices this set-up per request)."""
+        todo = [state for state in states if not state.ready]
+        by_length: dict[int, list[DraftState]] = {}
+        for state in todo:
+            by_length.setdefault(state.encoder_out.shape[0], []).append(state)
+        for group in by_length.values():
+            layers = self.drafter.acoustic_kv(torch.stack([state.encoder_out for state in group]))
+            for i, state in enumerate(group):
+                state.acoustic = [(k[i:i + 1], v[i:i + 1]) for k, v in layers]
+                state.encoder_out = None
+        return len(todo)
 
     def project_pending(self, states: list[DraftState]) -> None:
         """Project the history rows left pending (the prompt's at prefill, a round's accepted rows,

@@ -222,12 +222,19 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
                 room=room))
         if not any(r.num for r in round_requests):
             return self._stock_step()
-        if self.pacer is not None and not self.pacer.speculate(len(reqs)):
-            return self._stock_step()
-        t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
         drafting = [j for j, r in enumerate(round_requests) if r.num]
+        states = [members[j].state for j in drafting]
+        unready = sum(not state.ready for state in states)
+        if self.pacer is not None and not self.pacer.speculate(len(reqs), unready=unready):
+            return self._stock_step()
         with torch.inference_mode():
-            states = [members[j].state for j in drafting]
+            if unready:  # first drafts: their acoustic K/V, priced apart from the round (a one-off)
+                setup_t0 = time.perf_counter()
+                self.memories.prepare(states)
+                if self.pacer is not None:
+                    self.pacer.record_setup(unready, time.perf_counter() - setup_t0)
+        t0 = time.perf_counter()  # the round's start: its drafting, and its whole price for the pacer
+        with torch.inference_mode():
             history_positions = sum(state.pending_rows for state in states) / len(states)
             history_t0 = time.perf_counter()
             self.memories.project_pending(states)
