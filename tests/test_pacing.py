@@ -209,3 +209,16 @@ def test_the_set_up_counts_only_the_requests_that_have_not_paid_it():
     q.record_step(8, 0.015)
     q.record_setup(1, 0.018)
     assert not q.speculate(8, unready=8)
+
+
+def test_a_shrinking_batch_takes_rounds_where_they_pay_without_waiting_out_its_skip():
+    # rounds lose at 8 requests (5 steps' cost for 4.2 tokens) and pay at 2 (2.5 steps' cost)
+    p = Pacer(smoothing=1.0)
+    for n, round_s, step_s in ((8, 0.075, 0.015), (2, 0.020, 0.008)):
+        p.record_round(n, round_s, tokens_per_request=4.2)
+        p.record_step(n, step_s)
+    assert not p.speculate(8)
+    assert p.skip > 10  # a long skip for the full batch
+    assert not p.speculate(8)
+    assert p.speculate(2)  # six of its requests finished: rounds pay now
+    assert p.skip == 0

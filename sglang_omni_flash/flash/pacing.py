@@ -78,15 +78,19 @@ class Pacer:
         if self.second_probe:
             self.second_probe = False
             return True
+        step = self.step_s.get(n)
+        setup = self.setup_s * unready / step if unready and step and self.setup_s is not None else 0.0  # in steps
+        # asked at every step, stepping aside or not: a batch whose requests finish often pays where
+        # the full batch did not (its last requests decode alone), and must not wait out a skip
+        # chosen for the full batch
+        if self.gain >= (1.0 + self.margin) * ratio + setup / self.setup_rounds:
+            self.backoff = 1
+            self.skip = 0
+            return True
         if self.skip > 0:  # stepping aside; the last of these steps is followed by a probe (two rounds)
             self.skip -= 1
             self.second_probe = self.skip == 0
             return self.skip == 0
-        step = self.step_s.get(n)
-        setup = self.setup_s * unready / step if unready and step and self.setup_s is not None else 0.0  # in steps
-        if self.gain >= (1.0 + self.margin) * ratio + setup / self.setup_rounds:
-            self.backoff = 1
-            return True
         # plain steps a probe at this ratio and gain would lose: a probe is two rounds (measured on a
         # 2-core EPYC, base, batch 8: probes priced as one round cost 10% of the decode, not 5%)
         loss = 2.0 * (ratio - self.gain) + setup
