@@ -69,7 +69,8 @@ def test_bf16_engine_finds_its_shipped_drafter_and_runs_row_invariant(case):
 
 
 @pytest.mark.parametrize("batch", [1, 3, CLIPS])
-@pytest.mark.parametrize("tree_nodes", [0, 16])  # chains, and the 16-node trees of a bf16 CPU (pinned: any CPU)
+# chains, and the trees of a bf16 CPU without AMX (8 nodes) and with it (16), pinned: the same on any CPU
+@pytest.mark.parametrize("tree_nodes", [0, 8, 16])
 def test_bf16_flash_identical_to_bf16_greedy(case, batch, tree_nodes):
     rows = list(range(CLIPS)) if batch == CLIPS else list(range(batch))
     results = case.run(rows=rows, batch_size=batch, tree_nodes=tree_nodes)

@@ -50,17 +50,32 @@ def test_cpu_summary_names_the_features_that_decide():
 def test_round_cost_defaults_follow_device_and_dtype():
     from sglang_omni_flash.flash.options import SpecOptions
 
-    fp32, bf16 = SpecOptions().resolved("cpu", torch.float32), SpecOptions().resolved("cpu", "bfloat16")
+    fp32, bf16 = SpecOptions().resolved("cpu", torch.float32), SpecOptions().resolved("cpu", "bfloat16", amx=True)
     # fp32 CPU: every verify row costs -> cut blocks, 8-node trees, int8 drafter, paced
     assert fp32.min_draft_prob > 0 and fp32.tree_nodes == 8 and fp32.drafter_int8 and fp32.pace
-    # bf16 CPU (AMX): rows nearly free -> whole blocks, a larger tree, the drafter keeps bf16 weights
+    # bf16 CPU with AMX: rows nearly free -> whole blocks, a larger tree, the drafter keeps bf16 weights
     assert bf16.min_draft_prob == 0.0 and bf16.tree_nodes > fp32.tree_nodes and not bf16.drafter_int8
+    # bf16 CPU without AMX (AVX512-BF16): whole blocks, but the fp32 CPU's tree (rows cost there)
+    no_amx = SpecOptions().resolved("cpu", "bfloat16", amx=False)
+    assert no_amx.min_draft_prob == 0.0 and not no_amx.drafter_int8 and no_amx.pace
+    assert (no_amx.tree_nodes, no_amx.tree_min_prob) == (fp32.tree_nodes, fp32.tree_min_prob)
     # CUDA: the paper's whole chain, unpaced
     cuda = SpecOptions().resolved("cuda", torch.float16)
     assert (cuda.tree_nodes, cuda.tree_min_prob, cuda.min_draft_prob, cuda.pace) == (0, 0.0, 0.0, False)
     assert not SpecOptions().resolved("cuda", torch.float32).drafter_int8
     # what a caller set is kept
     assert SpecOptions(tree_nodes=3, pace=True).resolved("cuda", torch.float16).tree_nodes == 3
+
+
+def test_the_bf16_tree_follows_this_cpus_amx_when_not_told(monkeypatch):
+    import sglang_omni_flash.hardware as hardware
+    from sglang_omni_flash.flash.options import SpecOptions
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: cpu_flags(AMX_CPU))
+    assert SpecOptions().resolved("cpu", "bfloat16").tree_nodes == 16
+    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: frozenset({"avx512_bf16", "avx512f", "avx2"}))
+    assert SpecOptions().resolved("cpu", "bfloat16").tree_nodes == 8
+    assert SpecOptions(tree_nodes=12).resolved("cpu", "bfloat16").tree_nodes == 12  # what the caller set
 
 
 def test_engine_names_its_dtype_and_refuses_an_unknown_one(tiny_en_model_dir):

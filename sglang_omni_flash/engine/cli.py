@@ -77,11 +77,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                    help="greedy rounds without timestamps verify a draft tree of up to N nodes (the drafter's "
                         "likeliest continuations, sharing prefixes) instead of one chain; same output, more "
-                        f"tokens per target call. 0 = the paper's chain. Default: {CPU_TREE_NODES} on an fp32 CPU, "
-                        f"{BF16_CPU_TREE_NODES} on a bf16 CPU, 0 on CUDA")
+                        f"tokens per target call. 0 = the paper's chain. Default: {BF16_CPU_TREE_NODES} on a bf16 CPU "
+                        f"with AMX, {CPU_TREE_NODES} on other CPUs, 0 on CUDA")
     p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                    help="leave out tree nodes whose path probability under the drafter is below P "
-                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on an fp32 CPU, {BF16_CPU_TREE_MIN_PROB} in bf16")
+                        f"(at least one node). Default: {BF16_CPU_TREE_MIN_PROB} on a bf16 CPU with AMX, {CPU_TREE_MIN_PROB} "
+                        "on other CPUs")
     p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
                         "Default: on for an fp32 CPU")

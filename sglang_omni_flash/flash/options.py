@@ -11,8 +11,12 @@ for both back ends alike:
 
 * fp32 on a CPU: every verified row costs (base, batch 1, AVX2: 1 row 17.5 ms, 9 rows 26.6 ms, 33
   rows 48.6 ms), so blocks are cut where the drafter doubts (0.2) and trees stay at 8 nodes;
-* bf16 on a CPU (the auto dtype with AMX-BF16): extra rows are nearly free (1 / 9 / 32 rows of the
-  row-invariant kernels: docs/engine.md), so whole blocks and 16-node trees;
+* bf16 on a CPU with AMX-BF16: extra rows are nearly free (1 / 9 / 32 rows of the row-invariant
+  kernels: docs/engine.md), so whole blocks and 16-node trees;
+* bf16 on a CPU without AMX (AVX512-BF16 dot products, the auto dtype there too): whole blocks, but
+  rows cost as in fp32, so 8-node trees of paths >= 5% (measured on a 2-core EPYC, base, 24 windows
+  of 28 s, four pairs of runs: Whisper-Flash 1.11-1.21x greedy at batch 1 with 8 nodes, 1.04-1.11x
+  with 16; level at batch 8 either way);
 * CUDA: the paper's whole chain, no tree, no pacing, until measured there.
 """
 
@@ -26,7 +30,7 @@ MAX_DRAFT_TOKENS = 64
 CPU_MIN_DRAFT_PROB = 0.2  # fp32 CPU: keeps ~98.6% of a round's tokens with ~37% of the verify rows
 CPU_TREE_NODES = 8  # fp32 CPU: the rows of a full chain
 CPU_TREE_MIN_PROB = 0.05  # paths the drafter gives >= 5%
-BF16_CPU_TREE_NODES = 16  # the offline tree table: 3.59 -> 4.02 tokens per round from 8 to 16 nodes
+BF16_CPU_TREE_NODES = 16  # AMX: the offline tree table: 3.59 -> 4.02 tokens per round from 8 to 16 nodes
 BF16_CPU_TREE_MIN_PROB = 0.02
 
 
@@ -43,7 +47,7 @@ class SpecOptions:
     min_draft_prob: float | None = None
     # greedy rounds without timestamp rules verify a draft tree of up to this many nodes (the
     # drafter's likeliest continuations sharing their prefixes, flash/tree.py) instead of one chain.
-    # 0: the paper's chain. None: by device and dtype (8 on an fp32 CPU, 16 on a bf16 CPU, 0 on CUDA)
+    # 0: the paper's chain. None: by device and dtype (16 on a bf16 CPU with AMX, 8 on other CPUs, 0 on CUDA)
     tree_nodes: int | None = None
     # tree nodes whose path probability under the drafter is below this are left out (>= 1 node);
     # the threshold rises with the batch (flash.pacing.batch_min_path_prob). None: by device and dtype
@@ -81,11 +85,16 @@ class SpecOptions:
     def with_(self, **changes) -> "SpecOptions":
         return replace(self, **changes)
 
-    def resolved(self, device_type: str, dtype) -> "SpecOptions":
-        """Every None filled in for a target on `device_type` ("cpu", "cuda") in `dtype`."""
+    def resolved(self, device_type: str, dtype, amx: bool | None = None) -> "SpecOptions":
+        """Every None filled in for a target on `device_type` ("cpu", "cuda") in `dtype`; `amx`: the
+        CPU has AMX-BF16 tiles (None: this machine's CPU is asked)."""
         cpu = device_type == "cpu"
         bf16_cpu = cpu and dtype_name(dtype) == "bfloat16"
-        tree = (BF16_CPU_TREE_NODES, BF16_CPU_TREE_MIN_PROB) if bf16_cpu else \
+        if bf16_cpu and amx is None:
+            from sglang_omni_flash.hardware import cpu_flags
+
+            amx = "amx_bf16" in cpu_flags()
+        tree = (BF16_CPU_TREE_NODES, BF16_CPU_TREE_MIN_PROB) if bf16_cpu and amx else \
             (CPU_TREE_NODES, CPU_TREE_MIN_PROB) if cpu else (0, 0.0)
         return replace(
             self,
