@@ -55,10 +55,10 @@ def test_round_cost_defaults_follow_device_and_dtype():
     assert fp32.min_draft_prob > 0 and fp32.tree_nodes == 8 and fp32.drafter_int8 and fp32.pace
     # bf16 CPU with AMX: rows nearly free -> whole blocks, a larger tree, the drafter keeps bf16 weights
     assert bf16.min_draft_prob == 0.0 and bf16.tree_nodes > fp32.tree_nodes and not bf16.drafter_int8
-    # bf16 CPU without AMX (AVX512-BF16): whole blocks, but the fp32 CPU's tree (rows cost there)
+    # bf16 CPU without AMX (AVX512-BF16): whole blocks, the fp32 CPU's 8 nodes (rows cost there), bf16's threshold
     no_amx = SpecOptions().resolved("cpu", "bfloat16", amx=False)
     assert no_amx.min_draft_prob == 0.0 and not no_amx.drafter_int8 and no_amx.pace
-    assert (no_amx.tree_nodes, no_amx.tree_min_prob) == (fp32.tree_nodes, fp32.tree_min_prob)
+    assert (no_amx.tree_nodes, no_amx.tree_min_prob) == (fp32.tree_nodes, bf16.tree_min_prob)
     # CUDA: the paper's whole chain, unpaced
     cuda = SpecOptions().resolved("cuda", torch.float16)
     assert (cuda.tree_nodes, cuda.tree_min_prob, cuda.min_draft_prob, cuda.pace) == (0, 0.0, 0.0, False)

@@ -14,7 +14,8 @@ from pathlib import Path
 from sglang_omni_flash.engine.options import EngineOptions
 from sglang_omni_flash.errors import UserError
 from sglang_omni_flash.flash.options import (
-    BF16_CPU_TREE_MIN_PROB, BF16_CPU_TREE_NODES, CPU_MIN_DRAFT_PROB, CPU_TREE_MIN_PROB, CPU_TREE_NODES, SpecOptions,
+    BF16_CPU_NO_AMX_TREE_NODES, BF16_CPU_TREE_MIN_PROB, BF16_CPU_TREE_NODES, CPU_MIN_DRAFT_PROB, CPU_TREE_MIN_PROB,
+    CPU_TREE_NODES, SpecOptions,
 )
 from sglang_omni_flash.hardware import DTYPES
 
@@ -78,11 +79,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy rounds without timestamps verify a draft tree of up to N nodes (the drafter's "
                         "likeliest continuations, sharing prefixes) instead of one chain; same output, more "
                         f"tokens per target call. 0 = the paper's chain. Default: {BF16_CPU_TREE_NODES} on a bf16 CPU "
-                        f"with AMX, {CPU_TREE_NODES} on other CPUs, 0 on CUDA")
+                        f"with AMX, {BF16_CPU_NO_AMX_TREE_NODES} on other CPUs, 0 on CUDA")
     p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                    help="leave out tree nodes whose path probability under the drafter is below P "
-                        f"(at least one node). Default: {BF16_CPU_TREE_MIN_PROB} on a bf16 CPU with AMX, {CPU_TREE_MIN_PROB} "
-                        "on other CPUs")
+                        f"(at least one node). Default: {CPU_TREE_MIN_PROB} on an fp32 CPU, {BF16_CPU_TREE_MIN_PROB} in bf16")
     p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafter on int8 weights (CPU; cost and proposals only, never output). "
                         "Default: on for an fp32 CPU")

@@ -14,9 +14,10 @@ for both back ends alike:
 * bf16 on a CPU with AMX-BF16: extra rows are nearly free (1 / 9 / 32 rows of the row-invariant
   kernels: docs/engine.md), so whole blocks and 16-node trees;
 * bf16 on a CPU without AMX (AVX512-BF16 dot products, the auto dtype there too): whole blocks, but
-  rows cost as in fp32, so 8-node trees of paths >= 5% (measured on a 2-core EPYC, base, 24 windows
-  of 28 s, four pairs of runs: Whisper-Flash 1.11-1.21x greedy at batch 1 with 8 nodes, 1.04-1.11x
-  with 16; level at batch 8 either way);
+  rows cost as in fp32, so 8-node trees (measured on a 2-core EPYC, base, 24 windows of 28 s:
+  Whisper-Flash 1.11-1.21x greedy at batch 1 with 8 nodes, 1.04-1.11x with 16). Paths >= 2% as with
+  AMX: with the fp32 CPU's 5% the pruned rounds of a busy batch were taken and lost (batch 8:
+  0.94-0.96x in three of four runs; with 2%: 0.99-1.01x);
 * CUDA: the paper's whole chain, no tree, no pacing, until measured there.
 """
 
@@ -32,6 +33,7 @@ CPU_TREE_NODES = 8  # fp32 CPU: the rows of a full chain
 CPU_TREE_MIN_PROB = 0.05  # paths the drafter gives >= 5%
 BF16_CPU_TREE_NODES = 16  # AMX: the offline tree table: 3.59 -> 4.02 tokens per round from 8 to 16 nodes
 BF16_CPU_TREE_MIN_PROB = 0.02
+BF16_CPU_NO_AMX_TREE_NODES = 8  # AVX512-BF16 without AMX: verify rows cost as in fp32
 
 
 def dtype_name(dtype) -> str:
@@ -94,8 +96,8 @@ class SpecOptions:
             from sglang_omni_flash.hardware import cpu_flags
 
             amx = "amx_bf16" in cpu_flags()
-        tree = (BF16_CPU_TREE_NODES, BF16_CPU_TREE_MIN_PROB) if bf16_cpu and amx else \
-            (CPU_TREE_NODES, CPU_TREE_MIN_PROB) if cpu else (0, 0.0)
+        tree = ((BF16_CPU_TREE_NODES if amx else BF16_CPU_NO_AMX_TREE_NODES), BF16_CPU_TREE_MIN_PROB) if bf16_cpu \
+            else (CPU_TREE_NODES, CPU_TREE_MIN_PROB) if cpu else (0, 0.0)
         return replace(
             self,
             min_draft_prob=(CPU_MIN_DRAFT_PROB if cpu and not bf16_cpu else 0.0) if self.min_draft_prob is None
