@@ -32,6 +32,13 @@ CLASSES = [
     ("skylake-avx512", ("avx512f",), "avx512 fma", "avx512 fma over widened bf16"),
     ("cooperlake", ("avx512f", "avx512_bf16"), "avx512 fma", "avx512-bf16 dot products"),
 ]
+# row_attention's paths for the same builds (fp32, bf16): how keys are scored
+ATTENTION_PATHS = {
+    "x86-64": ("vector multiply-add", "vector multiply-add over widened bf16"),
+    "haswell": ("avx2 fma", "avx2 fma over widened bf16"),
+    "skylake-avx512": ("avx512 fma", "avx512 fma over widened bf16"),
+    "cooperlake": ("avx512 fma", "avx512-bf16 dot products"),
+}
 
 CHECK = textwrap.dedent("""
     import json, sys, time
@@ -70,7 +77,7 @@ CHECK = textwrap.dedent("""
 # place in the groups of rows computed together varies), a tree node == its path laid out as a
 # chain, and the values against float64 attention
 ATTENTION = textwrap.dedent("""
-    from sglang_omni_flash.kernels.attention import available, row_attention
+    from sglang_omni_flash.kernels.attention import available, path as attention_path, row_attention
 
     def attention_check(dtype, g):
         assert available()
@@ -93,7 +100,8 @@ ATTENTION = textwrap.dedent("""
         bad += 0 if torch.equal(tree, chain) else 1
         causal = torch.arange(300)[None, :] < limits[0][:, None]
         want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=causal, scale=1.0)
-        return {"mismatches": bad, "max_err": (together.double() - want).abs().max().item()}
+        return {"mismatches": bad, "max_err": (together.double() - want).abs().max().item(),
+                "path": attention_path(dtype)}
 """)
 assert "torch.set_num_threads(2)\n" in CHECK
 CHECK = CHECK.replace("torch.set_num_threads(2)\n", "torch.set_num_threads(2)\n" + ATTENTION, 1)
@@ -124,6 +132,7 @@ def test_each_cpu_class_path_is_row_invariant_and_computes_the_linear(march, nee
             assert got["mismatches"] == 0, (march, dtype, name, got)
             assert got["max_rel_err"] < tol, (march, dtype, name, got)
         attention = report[dtype]["attention"]
+        assert attention["path"] == ATTENTION_PATHS[march][dtype == "bfloat16"], (march, dtype, attention)
         assert attention["mismatches"] == 0, (march, dtype, attention)
         assert attention["max_err"] < (1e-5 if dtype == "float32" else 2e-2), (march, dtype, attention)
 

@@ -27,6 +27,13 @@ def available() -> bool:
                 "then equals greedy unless an argmax sits on a rounding tie)")
 
 
+def path(dtype: torch.dtype) -> str:
+    """How this process scores keys for `dtype` ("avx512-bf16 dot products", "avx2 fma", ...)."""
+    if not available():
+        return "torch SDPA (no row-invariant kernel)"
+    return torch.ops.whisper_flash.row_attention_path(dtype == torch.bfloat16)
+
+
 def row_attention(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
                   mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """q [n, H, T, hd], kt [n, H, hd, W], v [n, H, W, hd], limit [n, T] (keys j < limit visible),
