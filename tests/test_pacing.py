@@ -24,7 +24,7 @@ def test_a_step_right_after_a_round_does_not_move_the_price_of_a_step():
     pacer = Pacer(smoothing=1.0)
     pacer.record_round(8, 0.060, tokens_per_request=4.0)
     pacer.record_step(8, 0.015)  # warm (no decision before it)
-    pacer.gain, pacer.round_s[8] = 1.0, 0.100  # rounds stop paying: the pacer steps aside
+    pacer.gains[8], pacer.round_s[8] = 1.0, 0.100  # rounds stop paying: the pacer steps aside
     assert not pacer.speculate(8)
     pacer.after_step = False  # as if a round had just run
     pacer.speculate(8)
@@ -61,12 +61,12 @@ def test_a_round_after_plain_steps_adds_its_tokens_but_not_its_seconds():
     assert pacer.speculate(1)  # pays: 4 tokens for 3 steps
     pacer.record_round(1, 0.031, tokens_per_request=4.0)
     assert pacer.round_s[1] == 0.031  # a round after a round: measured
-    pacer.gain = 2.0  # a stretch the drafter knows less well
+    pacer.gains[1] = 2.0  # a stretch the drafter knows less well
     assert not pacer.speculate(1)  # steps aside
     pacer.record_step(1, 0.010)
     assert pacer.speculate(1)  # the probe's first round, on caches the step filled
     pacer.record_round(1, 0.055, tokens_per_request=4.0)
-    assert pacer.round_s[1] == 0.031 and pacer.gain == 4.0  # its tokens count, its seconds do not
+    assert pacer.round_s[1] == 0.031 and pacer.gains[1] == 4.0  # its tokens count, its seconds do not
     assert pacer.speculate(1)  # the probe's second round: measured
     pacer.record_round(1, 0.032, tokens_per_request=4.0)
     assert pacer.round_s[1] == 0.032
@@ -90,6 +90,7 @@ def test_probes_are_rarer_where_a_round_costs_far_more_than_it_brings():
     assert not pacer.speculate(8)
     assert pacer.skip == 80  # 4 steps lost in at most 5% of the plain steps before the probe
     pacer.record_round(1, 0.0205, 2.0)
+    pacer.cold_step = False  # a step after a step
     pacer.record_step(1, 0.010)  # at 1 request a round costs 2.05 steps: a probe loses 0.05
     pacer.skip = 0
     assert not pacer.speculate(1)
@@ -222,3 +223,37 @@ def test_a_shrinking_batch_takes_rounds_where_they_pay_without_waiting_out_its_s
     assert not p.speculate(8)
     assert p.speculate(2)  # six of its requests finished: rounds pay now
     assert p.skip == 0
+
+
+def test_a_rounds_yield_is_kept_per_batch_size():
+    # measured on a 2-core EPYC, bf16: a round yields ~5.5 tokens a request alone (a full tree) and
+    # ~4.2 among 8 (pruned trees); at a cost of 5 steps the full batch must not borrow the tail's yield
+    p = Pacer(smoothing=1.0)
+    p.record_round(8, 0.075, tokens_per_request=4.2)
+    p.record_step(8, 0.015)
+    p.record_round(1, 0.015, tokens_per_request=5.5)
+    p.record_step(1, 0.005)
+    assert p.gain_at(8) == 4.2 and p.gain_at(1) == 5.5
+    assert p.gain_at(3) == 5.5 and p.gain_at(6) == 4.2  # unmeasured sizes borrow the nearest
+    assert p.gain == 5.5  # the overall running average (reports) follows the last round
+    assert not p.speculate(8)
+    assert p.speculate(1)
+
+
+def test_a_batch_size_far_from_any_stepped_at_first_measures_its_own_steps():
+    # a bench's batch 1, then batch 8 (or a server whose load grows): rounds paid at 1 request; at 8
+    # they must be set against plain steps at 8, not borrow batch 1's ratio for good
+    p = Pacer(smoothing=1.0)
+    p.record_round(1, 0.015, tokens_per_request=5.0)
+    p.record_step(1, 0.005)
+    assert p.speculate(1)
+    p.record_round(1, 0.015, tokens_per_request=5.0)
+    assert p.stepped_near(2) and not p.stepped_near(3) and not p.stepped_near(8)
+    assert not p.speculate(8)  # right after a round: cold, not the price
+    p.record_step(8, 0.020)
+    assert not p.speculate(8)
+    p.record_step(8, 0.013)  # a step after a step: batch 8's price
+    assert p.step_s[8] == 0.013 and 8 in p.warm_steps
+    p.record_round(8, 0.070, tokens_per_request=4.2)  # a round at 8 costs 5.4 steps for 4.2 tokens
+    assert not p.speculate(8) and not p.speculate(7)  # 7 borrows 8's price
+    assert p.speculate(1)  # while one request alone still pays

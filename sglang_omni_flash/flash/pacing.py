@@ -1,13 +1,14 @@
 """Speculate only where it pays: the per-step choice between a Whisper-Flash round and a plain step.
 
-A round over n live requests costs `round_s(n)` seconds and emits `gain` tokens per request (the
+A round over n live requests costs `round_s(n)` seconds and emits `gain(n)` tokens per request (the
 accepted candidates plus the correction or bonus); a plain step costs `step_s(n)` and emits one.
-So a round pays iff gain * step_s(n) > round_s(n). Both costs are measured as decoding runs (an
-exponential average per n, since a round's price depends on the device, the dtype, the batch and
-the tree), and gain is the running acceptance. Where rounds do not pay, the decoder takes plain
-steps and looks again after 1, 2, 4 ... `max_backoff` of them (the acceptance of the next words may
-differ: that round is a probe, whose acceptance updates the running gain). Either way every token is the target's own greedy (or sampled) choice: the pacer changes
-the cost, never the output.
+So a round pays iff gain(n) * step_s(n) > round_s(n). All three are measured as decoding runs (an
+exponential average per n: a round's price depends on the device, the dtype, the batch and the
+tree, and its yield on the tree, which busy batches prune). Where rounds do not pay, the decoder
+takes plain steps and looks again after 1, 2, 4 ... `max_backoff` of them (the acceptance of the
+next words may differ: that round is a probe, whose acceptance updates the running gain). Either
+way every token is the target's own greedy (or sampled) choice: the pacer changes the cost, never
+the output.
 
 Pure bookkeeping with no clock of its own: the decode loop measures and reports (tests feed it
 made-up timings).
@@ -29,7 +30,12 @@ class Pacer:
     probe_budget: float = 0.05
     step_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a plain step
     round_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a round
-    gain: float | None = None  # tokens per request per round
+    gain: float | None = None  # tokens per request per round, over all batch sizes (reports)
+    # tokens per request per round at n requests: a busy batch verifies smaller trees
+    # (`batch_min_path_prob`), so a round yields less there. Measured on a 2-core EPYC, bf16, base:
+    # 4.1-4.5 tokens at 8 requests, 4.5-5.8 at 1; one average for all made the tail's rounds vouch
+    # for full batches' rounds, which then lost (0.95x greedy at batch 8).
+    gains: dict[int, float] = field(default_factory=dict)
     # one-off seconds per request before a batch's first round (the drafter's acoustic K/V): a probe
     # into a batch that has not paid them yet must also earn them back
     setup_s: float | None = None
@@ -53,10 +59,14 @@ class Pacer:
     # The same holds the other way: a plain step right after a round runs on caches the drafter
     # filled. Priced from such steps alone, a step looked dearer than it is (a 2-core EPYC, base,
     # bf16, batch 8: rounds at 5.7 warm steps taken for 4.4 tokens, the decode 16% slower than
-    # greedy). So a step's price comes from steps that follow steps: the first round is followed by
-    # two plain steps, and a step after a round is not priced once a warm one has been.
+    # greedy). So a step's price comes from steps that follow steps: a batch size not stepped at
+    # (nor one near it) is first decoded by two plain steps, and a step after a round is not priced
+    # once a warm one has been.
+    # Per batch size: a full batch after a run of small ones (a bench's batch 1 then 8, a server
+    # whose load grows) once borrowed batch 1's cost ratio for good, its rounds never set against
+    # its own steps (a 2-core EPYC, bf16, base: 82 rounds at 8 requests, no step, 0.95x greedy).
     cold_step: bool = False  # the step just decided follows a round
-    warm_step: bool = False  # a step that followed a step has been measured
+    warm_steps: set[int] = field(default_factory=set)  # batch sizes whose step was measured after a step
 
     def speculate(self, n: int, unready: int = 0) -> bool:
         """Take a round now (True) or a plain step (False) with n live requests, `unready` of which
@@ -72,9 +82,13 @@ class Pacer:
         return decision
 
     def _decide(self, n: int, unready: int) -> bool:
-        ratio = self.cost_ratio(n)
-        if ratio is None or self.gain is None or not self.warm_step:
-            return not self.round_s  # measure a round first (speculation is the default), then steps
+        if not self.round_s:
+            return True  # measure a round first (speculation is the default)
+        if not self.stepped_near(n):
+            return False  # then plain steps at about this batch size: the price its rounds must beat
+        ratio, gain = self.cost_ratio(n), self.gain_at(n)
+        if ratio is None or gain is None:
+            return False
         if self.second_probe:
             self.second_probe = False
             return True
@@ -83,7 +97,7 @@ class Pacer:
         # asked at every step, stepping aside or not: a batch whose requests finish often pays where
         # the full batch did not (its last requests decode alone), and must not wait out a skip
         # chosen for the full batch
-        if self.gain >= (1.0 + self.margin) * ratio + setup / self.setup_rounds:
+        if gain >= (1.0 + self.margin) * ratio + setup / self.setup_rounds:
             self.backoff = 1
             self.skip = 0
             return True
@@ -93,7 +107,7 @@ class Pacer:
             return self.skip == 0
         # plain steps a probe at this ratio and gain would lose: a probe is two rounds (measured on a
         # 2-core EPYC, base, batch 8: probes priced as one round cost 10% of the decode, not 5%)
-        loss = 2.0 * (ratio - self.gain) + setup
+        loss = 2.0 * (ratio - gain) + setup
         # a probe into a batch that has not paid its set-up pays it: such probes are not capped by
         # max_backoff (measured on a 2-core EPYC, bf16, base, batch 8: one capped probe per batch of
         # 28 s windows made flash 7% slower than greedy while taking 5 rounds in 150 decisions)
@@ -102,37 +116,51 @@ class Pacer:
         self.backoff = min(self.max_backoff, 2 * self.backoff)
         return False
 
+    def stepped_near(self, n: int) -> bool:
+        """Whether a warm step was measured within a quarter of n requests (at least one) of n: a
+        step's cost moves slowly with the batch, but batch 1's is no price for batch 8's."""
+        return any(abs(m - n) <= max(1, n // 4) for m in self.warm_steps)
+
     def cost_ratio(self, n: int) -> float | None:
         """round_s / step_s at n requests, or at the nearest batch size where both were measured
         (a batch shrinks as its requests finish; the ratio moves slowly with n)."""
-        measured = [m for m in self.round_s if m in self.step_s]
-        if not measured:
-            return None
-        m = min(measured, key=lambda m: (abs(m - n), -m))
-        return self.round_s[m] / self.step_s[m]
+        m = _nearest([m for m in self.round_s if m in self.step_s], n)
+        return None if m is None else self.round_s[m] / self.step_s[m]
+
+    def gain_at(self, n: int) -> float | None:
+        """Tokens per request per round at n requests, or at the nearest batch size measured."""
+        m = _nearest(list(self.gains), n)
+        return None if m is None else self.gains[m]
 
     def pays(self, n: int) -> float | None:
         """Expected speed of rounds over plain steps at n requests (None while unmeasured)."""
-        ratio = self.cost_ratio(n)
-        return None if ratio is None or self.gain is None else self.gain / ratio
+        ratio, gain = self.cost_ratio(n), self.gain_at(n)
+        return None if ratio is None or gain is None else gain / ratio
 
     def record_round(self, n: int, seconds: float, tokens_per_request: float) -> None:
         if not (self.cold and n in self.round_s):
             self.round_s[n] = self._average(self.round_s.get(n), seconds)
+        self.gains[n] = self._average(self.gains.get(n), tokens_per_request)
         self.gain = self._average(self.gain, tokens_per_request)
 
     def record_setup(self, n: int, seconds: float) -> None:
         self.setup_s = self._average(self.setup_s, seconds / n)
 
     def record_step(self, n: int, seconds: float) -> None:
-        if self.cold_step and self.warm_step and n in self.step_s:
+        if self.cold_step and n in self.warm_steps:
             return
-        first_warm = not self.cold_step and not self.warm_step  # replaces the cold price, not averaged in
+        first_warm = not self.cold_step and n not in self.warm_steps  # replaces the cold price, not averaged in
         self.step_s[n] = seconds if first_warm else self._average(self.step_s.get(n), seconds)
-        self.warm_step = self.warm_step or first_warm
+        if not self.cold_step:
+            self.warm_steps.add(n)
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
+
+
+def _nearest(sizes: list[int], n: int) -> int | None:
+    """The measured batch size closest to n (the larger one on a tie), None if none is."""
+    return min(sizes, key=lambda m: (abs(m - n), -m)) if sizes else None
 
 
 def round_price(seconds: float, tokens_per_request: float, history_s: float = 0.0,
