@@ -79,6 +79,7 @@ def test_an_unmeasured_batch_size_borrows_the_nearest_ratio():
     assert pacer.cost_ratio(7) == pytest.approx(4.0)
     assert not pacer.speculate(7)
     pacer.record_round(1, 0.02, 2.0)
+    pacer.cold_step = False  # measured after a step (warm)
     pacer.record_step(1, 0.015)
     assert pacer.cost_ratio(2) == pytest.approx(0.02 / 0.015)
 
@@ -257,3 +258,20 @@ def test_a_batch_size_far_from_any_stepped_at_first_measures_its_own_steps():
     p.record_round(8, 0.070, tokens_per_request=4.2)  # a round at 8 costs 5.4 steps for 4.2 tokens
     assert not p.speculate(8) and not p.speculate(7)  # 7 borrows 8's price
     assert p.speculate(1)  # while one request alone still pays
+
+
+def test_a_cold_step_price_never_sets_a_batch_sizes_ratio():
+    # a server's batch changes size right after a round: its one step at the new size ran on the
+    # drafter's caches (dearer); until a step after a step is measured there, a warm size sets the ratio
+    p = Pacer(smoothing=1.0)
+    p.record_round(4, 0.040, tokens_per_request=4.0)
+    p.record_step(4, 0.010)  # warm: a round at 4 requests costs 4 steps for 4 tokens (no gain)
+    p.cold_step = True  # a step right after a round, at a size not stepped at before
+    p.record_step(5, 0.030)
+    p.record_round(5, 0.050, tokens_per_request=4.0)
+    assert p.step_s[5] == 0.030 and 5 not in p.warm_steps
+    assert p.cost_ratio(5) == pytest.approx(4.0)  # not 0.050 / 0.030
+    assert not p.speculate(5)
+    p.cold_step = False
+    p.record_step(5, 0.0125)  # a warm step at 5 replaces the cold price
+    assert p.step_s[5] == 0.0125 and p.cost_ratio(5) == pytest.approx(4.0)

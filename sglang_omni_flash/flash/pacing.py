@@ -123,8 +123,10 @@ class Pacer:
 
     def cost_ratio(self, n: int) -> float | None:
         """round_s / step_s at n requests, or at the nearest batch size where both were measured
-        (a batch shrinks as its requests finish; the ratio moves slowly with n)."""
-        m = _nearest([m for m in self.round_s if m in self.step_s], n)
+        (a batch shrinks as its requests finish; the ratio moves slowly with n). Only warm step
+        prices count: a size stepped at only right after a round (a server's batch changing
+        size) has a cold price, dearer than its steps, that would make rounds look cheaper there."""
+        m = _nearest([m for m in self.round_s if m in self.warm_steps], n)
         return None if m is None else self.round_s[m] / self.step_s[m]
 
     def gain_at(self, n: int) -> float | None:
