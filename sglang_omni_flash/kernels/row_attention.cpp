@@ -348,9 +348,11 @@ void attend(const at::Tensor& q, const std::vector<Memory<T>>& memories, const a
 
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (widest + BLOCK - 1) / BLOCK * BLOCK;
-    std::vector<float> qf(rows * hd), scores(rows * padded), block(hd * BLOCK), denom(rows), visible(padded);
+    // bf16 on AVX512-BF16 scores from q and key pairs; every other path from fp32 q and key blocks
     constexpr bool paired = BF16_PAIRS && std::is_same_v<T, c10::BFloat16>;
+    std::vector<float> qf(paired ? 0 : rows * hd), block(paired ? 0 : hd * BLOCK);
     std::vector<uint32_t> qpairs(paired ? rows * hd / 2 : 0), kpairs(paired ? hd / 2 * BLOCK : 0);
+    std::vector<float> scores(rows * padded), denom(rows), visible(padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads;
       const Memory<T>& mem = memories[b];
@@ -359,17 +361,19 @@ void attend(const at::Tensor& q, const std::vector<Memory<T>>& memories, const a
       int64_t longest = 0;
       for (int64_t r = 0; r < rows; ++r) {
         const T* src = qp + b * qs0 + h * qs1 + r * qs2;
-        for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = to_float(src[d * qs3]);
         if constexpr (paired)
           for (int64_t i = 0; i < hd / 2; ++i)
             qpairs[r * hd / 2 + i] = uint32_t(src[2 * i * qs3].x) | (uint32_t(src[(2 * i + 1) * qs3].x) << 16);
+        else
+          for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = to_float(src[d * qs3]);
         longest = std::max(longest, std::min(row_limit[r], width));
       }
       const int64_t longest_padded = (longest + BLOCK - 1) / BLOCK * BLOCK;
       const T* kbase = mem.k + h * mem.ks1;
       // scores, BLOCK keys at a time (CHAINS independent accumulators of LANES keys, for throughput),
       // each key's score a sum over d in order. Whole float blocks read kt in place; bf16 blocks
-      // and the last partial block go through a float copy, zero-padded (the same arithmetic).
+      // and the last partial block go through a float copy, zero-padded (the same arithmetic), or
+      // with AVX512-BF16 through a copy as pairs of d, zero-padded likewise.
       for (int64_t j0 = 0; j0 < longest_padded; j0 += BLOCK) {
 #if defined(__AVX512BF16__)
         if constexpr (paired) {
