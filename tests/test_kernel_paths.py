@@ -160,3 +160,19 @@ def test_each_cpu_class_argmax_is_torchs(march, needs):
     """The greedy pick (row_argmax.cpp) equals torch.argmax on every build, ties and NaN included."""
     run = _run_built_for(march, needs, ARGMAX_CHECK)
     assert run.stdout.strip().endswith("ok")
+
+
+ENCODER_CHECK = textwrap.dedent("""
+    import torch
+    from sglang_omni_flash.kernels.torch_ops import load
+    assert load("encoder_attention.cpp", "-")
+    print("built" if torch.ops.whisper_flash.encoder_attention_built() else "not built")
+""")
+
+
+@pytest.mark.parametrize("march,needs", [c[:2] for c in CLASSES], ids=[c[0] for c in CLASSES])
+def test_the_encoder_attention_kernel_exists_only_in_builds_with_bf16_dot_products(march, needs):
+    """encoder_attention.cpp compiles on every class; its kernel only where VDPBF16PS is there
+    (elsewhere `encoder_attention.available()` is false and torch's attention runs)."""
+    run = _run_built_for(march, needs, ENCODER_CHECK)
+    assert run.stdout.strip().endswith("built" if "avx512_bf16" in needs else "not built")

@@ -9,11 +9,14 @@ history layers, which the drafter reads as its history memory.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from sglang_omni_flash.engine.kv_cache import CrossKV, KVCache
+from sglang_omni_flash.kernels import encoder_attention as encoder_kernel
 from sglang_omni_flash.kernels import linear as row_linear
 from sglang_omni_flash.kernels.attention import available as row_kernel, row_attention
 from sglang_omni_flash.kernels.linear import RowLinear
@@ -45,6 +48,28 @@ def _ln(x, p):
     return F.layer_norm(x, (x.shape[-1],), p[0], p[1], p[2])
 
 
+def _attend_through_kernel(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature over `encoder_kernel` (the encoder has no mask)."""
+    if attention_mask is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    return encoder_kernel.encoder_attention(query, key, value, scaling), None
+
+
+def _encoder_attention_on_kernel(encoder) -> None:
+    """The encoder's self-attention through `kernels.encoder_attention` (bf16 on an AVX512-BF16 CPU
+    without AMX): its layers get a copy of the config naming that function; the decoder keeps its own."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("whisper_flash_encoder", _attend_through_kernel)
+    config = copy.copy(encoder.config)
+    config._attn_implementation = "whisper_flash_encoder"
+    for layer in encoder.layers:
+        layer.self_attn.config = config
+
+
 class WhisperTarget:
     """The frozen target: encoder (transformers' own module) + a cache-explicit decoder forward."""
 
@@ -70,6 +95,8 @@ class WhisperTarget:
         # greedy output by construction. Elsewhere SDPA and F.linear (exact unless a float tie).
         self.row_invariant = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
                               and row_kernel() and row_linear.available())
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and encoder_kernel.available():
+            _encoder_attention_on_kernel(model.model.encoder)
         self.head = RowLinear(model.proj_out.weight)
         self.layers = [_Layer(layer) for layer in dec.layers]
         self.history_layers = tuple(history_layers)

@@ -17,7 +17,9 @@ alike) changes how the model is computed, not what:
   encoder keys and values are copied into those layouts once per cross layer and kept (`EncoderKV`)
   until the pool slots they came from are written again;
 * the encoder runs one 30 s window per call, always the one shape [1, n_mels, 3000], so a window's
-  encoder states never depend on which other windows the encoder service batched with it.
+  encoder states never depend on which other windows the encoder service batched with it; in bf16
+  on an AVX512-BF16 CPU without AMX its self-attention runs on `kernels.encoder_attention` (chosen
+  from the CPU's flags, so plain and speculative servers encode to the same bits).
 
 Prefill attention stays stock: sglang's torch-native backend attends per request, over that
 request's own prompt, so its shapes never depend on the other requests. Layer norms are torch's,
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 from sglang_omni_flash.integration.worker.compute_turns import ComputeTurns
 from sglang_omni_flash.kernels.linear import row_copy
 from sglang_omni_flash.kernels import attention as row_kernel
+from sglang_omni_flash.kernels import encoder_attention as encoder_kernel
 
 logger = logging.getLogger("sglang_omni_flash.cpu_model")
 
@@ -306,6 +309,18 @@ class _DecodeAttention:
         return out.reshape(q.shape[0], -1)
 
 
+def _encoder_attention_forward(attention):
+    """sglang-omni's `WhisperEncoderAttention.forward` with the attention itself on `encoder_kernel`."""
+
+    def forward(hidden_states: Tensor) -> Tensor:
+        b, t, _ = hidden_states.shape
+        q, k, v = (x.view(b, t, attention.num_heads, attention.head_dim).transpose(1, 2)
+                   for x in attention.qkv_proj(hidden_states).chunk(3, dim=-1))
+        return attention.out_proj(encoder_kernel.encoder_attention(q, k, v).reshape(b, t, attention.embed_dim))
+
+    return forward
+
+
 def _forgetting_old_keys(cross_attention, keys: EncoderKV):
     """cache_encoder_states that drops the cached layouts (`EncoderKV`) of the slots it writes."""
     write = cross_attention.cache_encoder_states
@@ -347,6 +362,11 @@ def install(model, *, take_turns: bool = True) -> bool:
     turns = model._whisper_flash_turns = ComputeTurns() if take_turns else None
     if hasattr(model, "run_encoder"):
         model.run_encoder = _one_window_at_a_time(model.run_encoder, turns)
+    encoder = getattr(model.model, "encoder", None)
+    if weight.dtype == torch.bfloat16 and encoder is not None and encoder_kernel.available():
+        for layer in encoder.layers:
+            if hasattr(layer.self_attn, "qkv_proj"):
+                layer.self_attn.forward = _encoder_attention_forward(layer.self_attn)
     keys = model._whisper_flash_encoder_keys = EncoderKV(layers=len(decoder.layers))
     for attn in attentions:
         attn.forward = _DecodeAttention(attn, keys)
@@ -357,6 +377,7 @@ def install(model, *, take_turns: bool = True) -> bool:
     from sglang_omni_flash.kernels import linear
 
     logger.info("whisper-flash: CPU model: row-invariant linears (%s) and attention kernel, encoder one window "
-                "per call (%s), encoder and steps %s", linear.path(weight.dtype), weight.dtype,
+                "per call (%s, attention: %s), encoder and steps %s", linear.path(weight.dtype), weight.dtype,
+                encoder_kernel.path(weight.dtype),
                 "in turns on one thread" if take_turns else "concurrent")
     return True
