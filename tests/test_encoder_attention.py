@@ -98,7 +98,7 @@ def test_base_encoder_on_real_speech_through_the_kernel_is_as_close_to_fp32_as_t
 
 @pytest.mark.parametrize("flags,chooses", [
     ({"avx512f", "avx512_bf16"}, True),                 # AVX512-BF16, no AMX: torch runs bf16 at fp32 speed
-    ({"avx512f", "avx512_bf16", "amx_bf16"}, False),    # AMX: torch packs bf16 for the tiles
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, False),    # AMX: torch's bf16 encoder is fast there
     ({"avx2", "fma"}, False),                            # no bf16 dot products
 ])
 def test_which_cpus_choose_the_kernel_is_decided_by_their_flags(monkeypatch, flags, chooses):

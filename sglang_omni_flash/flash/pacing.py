@@ -17,17 +17,28 @@ made-up timings).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class Pacer:
     margin: float = 0.02  # a round must beat plain steps by this fraction (timing noise)
-    smoothing: float = 0.3  # weight of the newest measurement in the running averages
-    max_backoff: int = 64  # most plain steps before a round is tried again (a probe that does not pay costs)
+    smoothing: float = 0.3  # weight of the newest measurement in the running yields
+    # A price (round_s, step_s) is the median of the last `price_window` measurements at that size.
+    # Single steps spike (a collection, an interrupt) and a 2-core EPYC's steps move 10-20% between
+    # runs: an average weighting the newest 0.3 followed the last three steps, so a batch of 8 once
+    # priced its step at 16.8 ms while its 154 steps took 14.9 on average, rounds costing 4.7 steps
+    # looked like 4.2, and probes came every 17 steps instead of every 60 (bf16, base, long files:
+    # Whisper-Flash 0.88x greedy's decode).
+    price_window: int = 15
+    max_backoff: int = 256  # most plain steps before a round is tried again (a probe that does not pay costs)
     # a probe may lose at most this share of the plain steps taken before it: where a round costs
-    # far more than it brings (a full batch on a CPU), probes come rarely
-    probe_budget: float = 0.05
+    # far more than it brings (a full batch on a CPU), probes come rarely. The bound on what
+    # stepping aside costs; max_backoff is set so as not to cut it short (at 64, a batch of 8 on a
+    # 2-core EPYC, bf16, whose probe loses 2.8 steps, probed every 64 steps: 4.4%, not 2%)
+    probe_budget: float = 0.02
     step_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a plain step
     round_s: dict[int, float] = field(default_factory=dict)  # n -> seconds of a round
     gain: float | None = None  # tokens per request per round, over all batch sizes (reports)
@@ -67,6 +78,7 @@ class Pacer:
     # its own steps (a 2-core EPYC, bf16, base: 82 rounds at 8 requests, no step, 0.95x greedy).
     cold_step: bool = False  # the step just decided follows a round
     warm_steps: set[int] = field(default_factory=set)  # batch sizes whose step was measured after a step
+    _samples: dict[tuple[str, int], deque] = field(default_factory=dict, repr=False)
 
     def speculate(self, n: int, unready: int = 0) -> bool:
         """Take a round now (True) or a plain step (False) with n live requests, `unready` of which
@@ -141,7 +153,7 @@ class Pacer:
 
     def record_round(self, n: int, seconds: float, tokens_per_request: float) -> None:
         if not (self.cold and n in self.round_s):
-            self.round_s[n] = self._average(self.round_s.get(n), seconds)
+            self.round_s[n] = self._price("round", n, seconds)
         self.gains[n] = self._average(self.gains.get(n), tokens_per_request)
         self.gain = self._average(self.gain, tokens_per_request)
 
@@ -152,9 +164,18 @@ class Pacer:
         if self.cold_step and n in self.warm_steps:
             return
         first_warm = not self.cold_step and n not in self.warm_steps  # replaces the cold price, not averaged in
-        self.step_s[n] = seconds if first_warm else self._average(self.step_s.get(n), seconds)
+        self.step_s[n] = self._price("step", n, seconds, fresh=first_warm)
         if not self.cold_step:
             self.warm_steps.add(n)
+
+    def _price(self, kind: str, n: int, seconds: float, fresh: bool = False) -> float:
+        """The median of the last `price_window` prices of `kind` at n requests, `seconds` included
+        (`fresh`: the first of a new series)."""
+        recent = self._samples.get((kind, n))
+        if recent is None or fresh or recent.maxlen != self.price_window:
+            recent = self._samples[(kind, n)] = deque(maxlen=max(1, self.price_window))
+        recent.append(seconds)
+        return statistics.median(recent)
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new

@@ -2,8 +2,9 @@
 
 On a CPU with AVX512-BF16 and no AMX, torch's attention runs bfloat16 at its float32 speed, and that
 was half of a bf16 encoder window; the kernel runs both products on VDPBF16PS. Where the CPU has AMX,
-torch's attention packs bf16 for AMX tiles and this kernel is not used; in float32 torch's attention
-is already at the CPU's fp32 rate. The choice is made from the CPU's flags alone, never from a
+torch's bf16 encoder is fast already (a whole base window 0.095 s on this project's AMX Xeon) and
+this kernel, not measured there, is not used; in float32 torch's attention is already at the CPU's
+fp32 rate. The choice is made from the CPU's flags alone, never from a
 timing, so every process on one machine (the engine, a plain server, a Whisper-Flash server) encodes
 a window to the same bits.
 
