@@ -107,9 +107,11 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
         self.step_tokens: dict[str, list[int]] = {}  # rid -> tokens emitted this step (for streaming)
         self.totals = SpecStats()
         self.metrics = SpecMetrics(self)  # exported by the stage's /whisper-flash routes
-        self.timing = {"draft": 0.0, "draft_steps": 0, "verify": 0.0, "accept": 0.0, "spec_steps": 0, "stock": 0.0, "stock_steps": 0}
+        self.timing = {"draft": 0.0, "draft_steps": 0, "verify": 0.0, "accept": 0.0, "spec_steps": 0, "stock": 0.0, "stock_steps": 0,
+                       "deciding": 0.0}
         self._stock_t0 = 0.0
         self._plain_step = False
+        self._decide_t0 = 0.0  # set as each decode step starts (custom_decode_forward)
         self._committed = False
         self._prefill_capture: tuple[Tensor | None, list[Tensor]] = (None, [])
         self.timestamp_rows = TimestampRows(p.device)
@@ -188,6 +190,7 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
     # ------------------------------------------------------------------------------- decode
 
     def custom_decode_forward(self, forward_batch, schedule_batch, requests):
+        self._decide_t0 = time.perf_counter()  # what choosing costs a plain step (log_timing)
         reqs = schedule_batch.reqs
         live = {req.rid for req in reqs}
         for rid in [r for r in self.states if r not in live]:
@@ -351,13 +354,15 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
         t = self.timing
         per = lambda key, n: 1000 * t[key] / max(1, t[n])  # noqa: E731
         logger.info("whisper-flash steps: %d speculative (draft %.1f ms, verify %.1f ms, accept %.1f ms per step), "
-                    "%d stock (%.1f ms per step); totals %s", t["spec_steps"], per("draft", "draft_steps"),
-                    per("verify", "spec_steps"), per("accept", "spec_steps"), t["stock_steps"],
-                    per("stock", "stock_steps"), self.totals.line())
+                    "%d stock (%.1f ms per step, %.2f ms of it deciding); totals %s", t["spec_steps"],
+                    per("draft", "draft_steps"), per("verify", "spec_steps"), per("accept", "spec_steps"),
+                    t["stock_steps"], per("stock", "stock_steps") + per("deciding", "stock_steps"),
+                    per("deciding", "stock_steps"), self.totals.line())
 
     def _stock_step(self):
         """The stock decode forward, with the history hooks armed (see post_decode)."""
         self._stock_t0 = time.perf_counter()
+        self.timing["deciding"] += self._stock_t0 - self._decide_t0
         self._plain_step = True
         self.tap.arm()
         return None
@@ -381,5 +386,7 @@ class WhisperFlashModelRunner(StepTurnsMixin, ScoringRunnerMixin, ModelRunner):
         seconds = time.perf_counter() - self._stock_t0
         self.timing["stock"] += seconds
         self.timing["stock_steps"] += 1
+        if self.timing["stock_steps"] % 500 == 0:  # a server whose batches never draft logs too
+            self.log_timing()
         if self.pacer is not None:
             self.pacer.record_step(len(schedule_batch.reqs), seconds)
