@@ -115,3 +115,28 @@ def test_float32_and_the_override_keep_torchs_attention(monkeypatch):
     q, k, v = (torch.randn(1, 2, 5, 16).bfloat16() for _ in range(3))
     want = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     assert torch.equal(ea.encoder_attention(q, k, v), want)
+
+
+@needs_kernel
+def test_the_servers_encoder_attention_runs_through_the_kernel():
+    """The ASR stage's model (sglang-omni's `WhisperEncoderAttention`: one fused q/k/v projection):
+    `cpu_model` swaps its forward for one whose attention is the kernel's, as accurate as stock."""
+    from sglang_omni.models.whisper_asr.sglang_model import WhisperEncoderAttention
+    from transformers import WhisperConfig
+
+    from sglang_omni_flash.integration.worker.cpu_model import _encoder_attention_forward
+
+    torch.manual_seed(3)
+    attention = WhisperEncoderAttention(WhisperConfig(d_model=512, encoder_attention_heads=8)).eval()
+    hidden = torch.randn(1, 200, 512)
+    with torch.inference_mode():
+        want = attention(hidden).double()  # fp32, stock
+        attention = attention.to(torch.bfloat16)
+        stock = attention(hidden.bfloat16())
+        swapped = _encoder_attention_forward(attention)(hidden.bfloat16())
+        q, k, v = (x.view(1, 200, 8, 64).transpose(1, 2) for x in attention.qkv_proj(hidden.bfloat16()).chunk(3, -1))
+        by_hand = attention.out_proj(torch.ops.whisper_flash.encoder_attention(q, k, v, 0.125).reshape(1, 200, 512))
+    assert torch.equal(swapped, by_hand)
+    _, stock_rms = errors(stock, want)
+    _, rms = errors(swapped, want)
+    assert rms <= 1.2 * stock_rms, (rms, stock_rms)
