@@ -18,6 +18,7 @@ against 0.75 s in fp32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +31,19 @@ REPORTED_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The CPU's feature flags: from `cpuinfo` (the text of /proc/cpuinfo; tests fake it) or the file."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-        except OSError:
-            return frozenset()
+    return _machine_flags() if cpuinfo is None else _parse_flags(cpuinfo)
+
+
+@functools.cache
+def _machine_flags() -> frozenset[str]:
+    """This machine's flags, read once per process (they never change; the encoder asks per layer)."""
+    try:
+        return _parse_flags(Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace"))
+    except OSError:
+        return frozenset()
+
+
+def _parse_flags(cpuinfo: str) -> frozenset[str]:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
