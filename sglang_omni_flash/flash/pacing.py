@@ -172,7 +172,7 @@ class Pacer:
         """The median of the last `price_window` prices of `kind` at n requests, `seconds` included
         (`fresh`: the first of a new series)."""
         recent = self._samples.get((kind, n))
-        if recent is None or fresh or recent.maxlen != self.price_window:
+        if recent is None or fresh:
             recent = self._samples[(kind, n)] = deque(maxlen=max(1, self.price_window))
         recent.append(seconds)
         return statistics.median(recent)
