@@ -21,10 +21,15 @@ from sglang_omni_flash.flash.checkpoint import (
     save_drafter,
 )
 from sglang_omni_flash.flash.drafter import (
+    KeysLastKV,
     WhisperFlashDrafter,
+    cat_memories,
     default_history_layers,
     history_from_hidden_states,
+    memory_length,
+    memory_rows,
 )
+from sglang_omni_flash.kernels import attention as row_kernel
 
 D, HEADS, VOCAB, T_AUDIO, K = 64, 4, 100, 12, 8
 
@@ -231,6 +236,49 @@ def test_rope_is_relative_shifting_all_positions_keeps_logits(drafter):
     # history_len still counts entries, anchor_pos moves with the history
     shifted = draft(drafter, [5, 6], [9 + shift, 6 + shift], shifted_kv, [9, 6], akv)
     torch.testing.assert_close(shifted, base, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not row_kernel.available(), reason="needs the row attention kernel (built on every x86 CPU)")
+def test_the_cpu_kernels_acoustic_memory_gives_the_logits_of_sdpa(drafter):
+    """At CPU inference the acoustic memory is laid out for the row attention kernel (keys
+    transposed) and read by it; the logits are SDPA's to float rounding, for a memory per request
+    and for one request's memory shared by a batch."""
+    hkv, akv, _ = memories(drafter, batch=3)
+    audio = torch.randn(3, T_AUDIO, D, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        akv = drafter.acoustic_kv(audio)
+        kernel = drafter.acoustic_memory(audio)
+    assert drafter.reads_keys_last(torch.device("cpu"))
+    assert all(isinstance(m, KeysLastKV) and m.kt.shape == (3, HEADS, D // HEADS, T_AUDIO) for m in kernel)
+    assert all(memory_length(m) == memory_length(plain) == T_AUDIO for m, plain in zip(kernel, akv))
+    want = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], akv)
+    got = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], kernel)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # one request's memory broadcast over the batch, as SDPA's expand does
+    one = [memory_rows(m, 1, 2) for m in kernel]
+    shared = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], one)
+    want_shared = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], [memory_rows(m, 1, 2) for m in akv])
+    torch.testing.assert_close(shared, want_shared, rtol=1e-4, atol=1e-4)
+
+
+def test_acoustic_memories_keep_their_layout_when_cut_and_stacked(drafter):
+    """A server keeps each request's memory apart and stacks the drafting ones: both layouts come
+    back in the layout they went in, rows in order."""
+    audio = torch.randn(3, T_AUDIO, D, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for layers in (drafter.acoustic_kv(audio), drafter.acoustic_memory(audio)):
+            per_request = [[memory_rows(m, i, i + 1) for m in layers] for i in range(3)]
+            stacked = [cat_memories([req[j] for req in per_request]) for j in range(len(layers))]
+            for back, whole in zip(stacked, layers):
+                assert type(back) is type(whole)
+                assert all(torch.equal(a, b) for a, b in zip(back, whole))
+
+def test_float16_keeps_the_plain_acoustic_layout(target):
+    """No kernel for float16: its memory stays (k, v), read by SDPA."""
+    half = WhisperFlashDrafter.from_target(target).eval().half()
+    assert not half.reads_keys_last(torch.device("cpu"))
+    with torch.no_grad():
+        assert not isinstance(half.acoustic_memory(torch.randn(1, T_AUDIO, D).half())[0], KeysLastKV)
 
 
 # ------------------------------------------------------------------------------------ ablations

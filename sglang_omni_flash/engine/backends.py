@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from sglang_omni_flash.engine.kv_cache import compact_rows
 from sglang_omni_flash.engine.speculative import Proposal, RoundInputs
 from sglang_omni_flash.engine.target import WhisperTarget
+from sglang_omni_flash.flash.drafter import KeysLastKV
 
 # cache slots past the decoder window: padded rows of a verify block, and draft-tree nodes (slot
 # t + row, see flash.tree) near the end of the window, write there
@@ -179,8 +180,11 @@ class DrafterProposer:
         z = dict(dtype=self.dtype, device=self.device)
         self.hist_k = torch.zeros(layers, rows, heads, max_len, hd, **z) if self.use_history else None
         self.hist_v = torch.zeros_like(self.hist_k) if self.use_history else None
-        self.ac_k = torch.zeros(layers, rows, heads, enc_len, hd, **z) if self.use_audio else None
-        self.ac_v = torch.zeros_like(self.ac_k) if self.use_audio else None
+        # acoustic keys transposed where the CPU row attention kernel reads them (`KeysLastKV`)
+        self.keys_last = self.use_audio and drafter.reads_keys_last(self.device)
+        key_shape = (hd, enc_len) if self.keys_last else (enc_len, hd)
+        self.ac_k = torch.zeros(layers, rows, heads, *key_shape, **z) if self.use_audio else None
+        self.ac_v = torch.zeros(layers, rows, heads, enc_len, hd, **z) if self.use_audio else None
         self._heads = torch.arange(heads, device=self.device)[None, :, None]
         self._rows = torch.arange(rows, device=self.device)[:, None, None]
         self._graphs: dict = {}
@@ -209,7 +213,8 @@ class DrafterProposer:
             w = self.hist_k.shape[3] if window is None else max(1, window)
             hist = [(self.hist_k[i, :n, :, :w], self.hist_v[i, :n, :, :w]) for i in range(self.hist_k.shape[0])]
         if self.use_audio:
-            acoustic = [(self.ac_k[i, :n], self.ac_v[i, :n]) for i in range(self.ac_k.shape[0])]
+            layout = KeysLastKV if self.keys_last else lambda k, v: (k, v)
+            acoustic = [layout(self.ac_k[i, :n], self.ac_v[i, :n]) for i in range(self.ac_k.shape[0])]
         return hist, acoustic
 
     def propose(self, inputs: RoundInputs) -> Proposal:
@@ -271,7 +276,7 @@ class DrafterProposer:
         # until the acoustic K/V exist nothing else compacts, so `_order` is also `_audio`'s live rows
         audio = self._audio if self._order is None else self._audio.index_select(0, self._order)
         self._compact()  # the history rows; the acoustic rows are written below, already in live order
-        for i, (k, v) in enumerate(self.drafter.acoustic_kv(audio)):
+        for i, (k, v) in enumerate(self.drafter.acoustic_memory(audio)):
             self.ac_k[i, : audio.shape[0]].copy_(k)
             self.ac_v[i, : audio.shape[0]].copy_(v)
         self._audio = None

@@ -126,7 +126,7 @@ class WhisperFlashEngine:
         z = dict(device=self.device, dtype=self.dtype)
         hist = d.history_kv(d.project_history(torch.zeros(1, 4, len(cfg.history_layers), cfg.d_model, **z)),
                             torch.arange(4, device=self.device)[None]) if cfg.use_history else None
-        acoustic = d.acoustic_kv(torch.zeros(1, 8, cfg.d_model, **z)) if cfg.use_audio else None
+        acoustic = d.acoustic_memory(torch.zeros(1, 8, cfg.d_model, **z)) if cfg.use_audio else None
         at = torch.tensor([4], device=self.device)
         d(torch.zeros(1, dtype=torch.long, device=self.device), at, hist, at, acoustic)
 

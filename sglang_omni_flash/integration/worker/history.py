@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from sglang_omni_flash.flash.drafter import AcousticMemory, cat_memories, memory_length, memory_rows
 from sglang_omni_flash.flash.pacing import Backoff
 
 
@@ -85,7 +86,7 @@ class DraftState:
 
     hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
     # per drafter layer (k, v) [1, H, T, hd]; None until the request first drafts (`encoder_out` kept till then)
-    acoustic: list[tuple[Tensor, Tensor]] | None
+    acoustic: list[AcousticMemory] | None  # per drafter layer, in the layout the drafter reads here
     encoder_out: Tensor | None = None  # [T, d] the window's encoder states, while `acoustic` is None
     length: int = 0  # history positions 0..length-1 (== committed decoder length), pending ones included
     pending: list[Tensor] = field(default_factory=list)  # target states [n, n_hist, d] of the last
@@ -119,7 +120,7 @@ class DrafterMemories:
         self.max_positions = max_positions
         self.max_backoff = max_backoff
         # the stacked acoustic K/V of the last batched draft, kept while the same requests draft
-        self._acoustic_batch: tuple[tuple[DraftState, ...], list[tuple[Tensor, Tensor]]] | None = None
+        self._acoustic_batch: tuple[tuple[DraftState, ...], list[AcousticMemory]] | None = None
 
     def warm_up(self, encoder_len: int) -> None:
         """One draft of a made-up request at start-up. The drafter's first call pays one-time
@@ -157,9 +158,9 @@ class DrafterMemories:
         for state in todo:
             by_length.setdefault(state.encoder_out.shape[0], []).append(state)
         for group in by_length.values():
-            layers = self.drafter.acoustic_kv(torch.stack([state.encoder_out for state in group]))
+            layers = self.drafter.acoustic_memory(torch.stack([state.encoder_out for state in group]))
             for i, state in enumerate(group):
-                state.acoustic = [(k[i:i + 1], v[i:i + 1]) for k, v in layers]
+                state.acoustic = [memory_rows(layer, i, i + 1) for layer in layers]
                 state.encoder_out = None
         return len(todo)
 
@@ -198,7 +199,7 @@ class DrafterMemories:
         if not drafts:
             return []
         states = [state for state, _, _ in drafts]
-        acoustic_lengths = {tuple(k.shape[2] for k, _ in state.acoustic) for state in states}
+        acoustic_lengths = {tuple(memory_length(layer) for layer in state.acoustic) for state in states}
         if len(acoustic_lengths) == 1:
             longest = max(pos for _, _, pos in drafts)
             hist = [tuple(torch.cat([state.hist[i][j][:, :, :longest] for state in states]) for j in (0, 1))
@@ -214,7 +215,7 @@ class DrafterMemories:
             out.append(self.drafter(torch.tensor([anchor], device=self._device), pos, one, pos, state.acoustic)[0])
         return out
 
-    def _stacked_acoustic(self, states: list[DraftState]) -> list[tuple[Tensor, Tensor]]:
+    def _stacked_acoustic(self, states: list[DraftState]) -> list[AcousticMemory]:
         """The acoustic K/V of these requests stacked in batch order; reused while the drafting set
         is unchanged (steady decoding), since restacking copies ~1.5 MB per request, layer and
         K/V every step. Keyed by the state objects themselves (held, so an id is never reused):
@@ -222,7 +223,6 @@ class DrafterMemories:
         key = tuple(states)
         cached = self._acoustic_batch
         if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
-            stacked = [tuple(torch.cat([state.acoustic[i][j] for state in states]) for j in (0, 1))
-                       for i in range(len(states[0].acoustic))]
+            stacked = [cat_memories([state.acoustic[i] for state in states]) for i in range(len(states[0].acoustic))]
             self._acoustic_batch = (key, stacked)
         return self._acoustic_batch[1]
