@@ -3,7 +3,7 @@
 #   make serve [PORT=8000] [MODEL=base|tiny.en|DIR] [SPECULATIVE=auto|1|0] [DTYPE=auto|float32|bfloat16|float16]
 #              [ARGS="extra sgl-omni serve flags"]
 #              SPECULATIVE: auto (default) = Whisper-Flash when a shipped drafter fits MODEL, 1 = required, 0 = plain
-#              DTYPE: auto (default) = bfloat16 on a CPU with AMX-BF16, else float32 (sglang-omni's default on CUDA)
+#              DTYPE: auto (default) = bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32 (float16 on CUDA)
 #   make test  [PYTEST_ARGS=...]
 #
 # Set-up (idempotent, fast when nothing changed): Debian packages from configs/apt.txt,

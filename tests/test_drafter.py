@@ -28,6 +28,7 @@ from sglang_omni_flash.flash.drafter import (
     history_from_hidden_states,
     memory_length,
     memory_rows,
+    per_request,
 )
 from sglang_omni_flash.kernels import attention as row_kernel
 
@@ -259,6 +260,20 @@ def test_the_cpu_kernels_acoustic_memory_gives_the_logits_of_sdpa(drafter):
     shared = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], one)
     want_shared = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], [memory_rows(m, 1, 2) for m in akv])
     torch.testing.assert_close(shared, want_shared, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not row_kernel.available(), reason="needs the row attention kernel (built on every x86 CPU)")
+def test_memories_read_where_they_lie_give_the_bits_of_stacked_ones(drafter):
+    """`PerRequestKV` (each request's memory its own tensors, as a server keeps them) gives every
+    request the bits of the stacked `KeysLastKV`: the kernel computes a row alone either way."""
+    hkv, _, _ = memories(drafter, batch=3)
+    audio = torch.randn(3, T_AUDIO, D, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        stacked = drafter.acoustic_memory(audio)
+        apart = [per_request([memory_rows(m, i, i + 1) for i in range(3)]) for m in stacked]
+    want = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], stacked)
+    got = draft(drafter, [5, 6, 7], [10, 9, 4], hkv, [10, 9, 4], apart)
+    assert torch.equal(got, want)
 
 
 def test_acoustic_memories_keep_their_layout_when_cut_and_stacked(drafter):

@@ -5,10 +5,12 @@ came."""
 from __future__ import annotations
 
 
+import pytest
 import torch
 
-from sglang_omni_flash.flash.drafter import WhisperFlashDrafter
+from sglang_omni_flash.flash.drafter import KeysLastKV, WhisperFlashDrafter
 from sglang_omni_flash.integration.worker.history import DraftState, DrafterMemories
+from sglang_omni_flash.kernels import attention as row_kernel
 from test_drafter import tiny_target
 
 MAX_POSITIONS = 32
@@ -172,3 +174,32 @@ def test_the_workers_acoustic_kv_wait_for_the_first_draft_and_are_made_together(
         memories.project_pending(states)
         logits = memories.draft_logits([(state, 1, state.length) for state in states])
     assert len(logits) == 3 and all(torch.isfinite(x).all() for x in logits)
+
+
+@pytest.mark.skipif(not row_kernel.available(), reason="needs the row attention kernel (built on every x86 CPU)")
+def test_the_worker_drafts_requests_together_from_their_own_memories_any_window_length():
+    """On a CPU the worker passes each request's acoustic memory as it lies (no stacking), also for
+    windows of different lengths, in one drafter call: every request's proposals are what it gets
+    drafted alone (to float rounding: the batch's history is cut to its longest), and the same
+    requests drafted again give the same bits."""
+    torch.manual_seed(5)
+    drafter = WhisperFlashDrafter.from_target(tiny_target()).eval()
+    n_hist, d = len(drafter.config.history_layers), drafter.config.d_model
+    memories = DrafterMemories(drafter, MAX_POSITIONS, max_backoff=8)
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        states = [memories.new_state(torch.randn(p, n_hist, d, generator=g), torch.randn(t, d, generator=g))
+                  for p, t in ((3, 8), (5, 12), (2, 8))]
+        memories.prepare(states)
+        memories.project_pending(states)
+        assert all(isinstance(m, KeysLastKV) for state in states for m in state.acoustic)
+        drafts = [(state, 1 + i, state.length) for i, state in enumerate(states)]
+        together = memories.draft_logits(drafts)
+        again = memories.draft_logits(drafts)
+        alone = [memories.draft_logits([draft])[0] for draft in drafts]
+    assert memories._acoustic_batch is None  # nothing stacked
+    for got, repeat, want in zip(together, again, alone):
+        assert torch.equal(got, repeat)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got))
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)

@@ -52,7 +52,17 @@ class KeysLastKV(NamedTuple):
     v: Tensor
 
 
-AcousticMemory = KV | KeysLastKV
+class PerRequestKV(NamedTuple):
+    """Several requests' `KeysLastKV`, kept apart: kts[b] [H, hd, T_b], vs[b] [H, T_b, hd]. A server's
+    requests come and go, so stacking their memories for each draft would copy ~6 MB a request
+    whenever the drafting set changes; the kernel reads each request's own tensors in one call
+    (`row_attention_each`), and windows of different lengths draft together."""
+
+    kts: list[Tensor]
+    vs: list[Tensor]
+
+
+AcousticMemory = KV | KeysLastKV | PerRequestKV
 
 
 def memory_rows(memory: AcousticMemory, start: int, stop: int) -> AcousticMemory:
@@ -67,9 +77,14 @@ def cat_memories(memories: list[AcousticMemory]) -> AcousticMemory:
     return KeysLastKV(*parts) if isinstance(memories[0], KeysLastKV) else (parts[0], parts[1])
 
 
-def memory_length(memory: AcousticMemory) -> int:
+def memory_length(memory: KV | KeysLastKV) -> int:
     """How many acoustic frames a memory holds (v is [B, H, T, hd] in both layouts)."""
     return memory[1].shape[2]
+
+
+def per_request(memories: list[KeysLastKV]) -> PerRequestKV:
+    """One layer's `KeysLastKV` of single requests ([1, ...] each), as one `PerRequestKV`, no copy."""
+    return PerRequestKV([m.kt[0] for m in memories], [m.v[0] for m in memories])
 
 
 def default_history_layers(n_target_layers: int) -> tuple[int, ...]:
@@ -262,10 +277,15 @@ class DrafterLayer(nn.Module):
             h = self.acoustic_attn_layer_norm(block)
             q = self.acoustic_attn.heads(self.acoustic_attn.q_proj(h))
             shape = (bsz, -1, -1, -1)
-            if isinstance(acoustic, KeysLastKV):  # inference on a CPU: every key and block row, scale hd^-0.5
+            scale = q.shape[-1] ** -0.5  # as SDPA's default and Whisper's
+            if isinstance(acoustic, KeysLastKV):  # inference on a CPU: every key, every block row
                 limit = torch.full((bsz, q.shape[2]), memory_length(acoustic), device=q.device)  # [B, K+1]
                 o = row_kernel.row_attention(q, acoustic.kt.expand(shape), acoustic.v.expand(shape), limit,
-                                             None, q.shape[-1] ** -0.5)
+                                             None, scale)
+            elif isinstance(acoustic, PerRequestKV):  # the same, each request's memory its own tensors
+                frames = torch.tensor([v.shape[1] for v in acoustic.vs], device=q.device)
+                limit = frames[:, None].expand(bsz, q.shape[2])
+                o = row_kernel.row_attention_each(q, acoustic.kts, acoustic.vs, limit, scale)
             else:
                 ak, av = acoustic
                 o = F.scaled_dot_product_attention(q, ak.expand(shape), av.expand(shape))

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from sglang_omni_flash.flash.drafter import AcousticMemory, cat_memories, memory_length, memory_rows
+from sglang_omni_flash.flash.drafter import (
+    AcousticMemory,
+    KeysLastKV,
+    cat_memories,
+    memory_length,
+    memory_rows,
+    per_request,
+)
 from sglang_omni_flash.flash.pacing import Backoff
 
 
@@ -119,7 +126,7 @@ class DrafterMemories:
         self._device, self._dtype = p.device, p.dtype
         self.max_positions = max_positions
         self.max_backoff = max_backoff
-        # the stacked acoustic K/V of the last batched draft, kept while the same requests draft
+        # the stacked (k, v) of the last batched draft where SDPA reads them, kept while the same requests draft
         self._acoustic_batch: tuple[tuple[DraftState, ...], list[AcousticMemory]] | None = None
 
     def warm_up(self, encoder_len: int) -> None:
@@ -193,33 +200,37 @@ class DrafterMemories:
 
         On a CPU every per-request call re-reads the drafter's weights and head (memory-bound
         matrix-vector work), so requests are drafted together: histories are cut to the longest
-        prefix of the batch (each request's own length masks the rest, `history_len`) and the
-        acoustic K/V, the same length for every Whisper request (one 30 s window), are stacked.
-        Batching changes the drafts by float rounding at most, and the target verifies every one."""
+        prefix of the batch (each request's own length masks the rest, `history_len`). On a CPU the
+        kernel reads each request's acoustic memory where it lies (`PerRequestKV`); elsewhere
+        memories of one length are stacked. Batching changes the drafts by float rounding at most,
+        and the target verifies every one."""
         if not drafts:
             return []
         states = [state for state, _, _ in drafts]
-        acoustic_lengths = {tuple(memory_length(layer) for layer in state.acoustic) for state in states}
-        if len(acoustic_lengths) == 1:
-            longest = max(pos for _, _, pos in drafts)
-            hist = [tuple(torch.cat([state.hist[i][j][:, :, :longest] for state in states]) for j in (0, 1))
-                    for i in range(len(states[0].hist))]
+        layers = range(len(states[0].acoustic))
+        if isinstance(states[0].acoustic[0], KeysLastKV):
+            acoustic = [per_request([state.acoustic[i] for state in states]) for i in layers]
+        elif len({tuple(memory_length(m) for m in state.acoustic) for state in states}) == 1:
             acoustic = self._stacked_acoustic(states)
-            pos = torch.tensor([pos for _, _, pos in drafts], device=self._device)
-            anchor = torch.tensor([anchor for _, anchor, _ in drafts], device=self._device)
-            return list(self.drafter(anchor, pos, hist, pos, acoustic).unbind(0))
-        out = []  # acoustic memories of different lengths: one call each
-        for state, anchor, position in drafts:
-            pos = torch.tensor([position], device=self._device)
-            one = [(k[:, :, :position], v[:, :, :position]) for k, v in state.hist]
-            out.append(self.drafter(torch.tensor([anchor], device=self._device), pos, one, pos, state.acoustic)[0])
-        return out
+        else:  # SDPA over memories of different lengths: one call each
+            return [self._draft_alone(state, anchor, position) for state, anchor, position in drafts]
+        longest = max(pos for _, _, pos in drafts)
+        hist = [tuple(torch.cat([state.hist[i][j][:, :, :longest] for state in states]) for j in (0, 1))
+                for i in range(len(states[0].hist))]
+        pos = torch.tensor([pos for _, _, pos in drafts], device=self._device)
+        anchor = torch.tensor([anchor for _, anchor, _ in drafts], device=self._device)
+        return list(self.drafter(anchor, pos, hist, pos, acoustic).unbind(0))
+
+    def _draft_alone(self, state: DraftState, anchor: int, position: int) -> Tensor:
+        pos = torch.tensor([position], device=self._device)
+        hist = [(k[:, :, :position], v[:, :, :position]) for k, v in state.hist]
+        return self.drafter(torch.tensor([anchor], device=self._device), pos, hist, pos, state.acoustic)[0]
 
     def _stacked_acoustic(self, states: list[DraftState]) -> list[AcousticMemory]:
-        """The acoustic K/V of these requests stacked in batch order; reused while the drafting set
-        is unchanged (steady decoding), since restacking copies ~1.5 MB per request, layer and
-        K/V every step. Keyed by the state objects themselves (held, so an id is never reused):
-        a new request is a new state."""
+        """The (k, v) memories of these requests stacked in batch order, for SDPA; reused while the
+        drafting set is unchanged (steady decoding), since restacking copies ~1.5 MB per request,
+        layer and K/V. Keyed by the state objects themselves (held, so an id is never reused): a
+        new request is a new state."""
         key = tuple(states)
         cached = self._acoustic_batch
         if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
