@@ -65,13 +65,13 @@ class PerRequestKV(NamedTuple):
 AcousticMemory = KV | KeysLastKV | PerRequestKV
 
 
-def memory_rows(memory: AcousticMemory, start: int, stop: int) -> AcousticMemory:
+def memory_rows(memory: KV | KeysLastKV, start: int, stop: int) -> KV | KeysLastKV:
     """Requests start..stop-1 of one layer's acoustic memory, in its layout."""
     parts = [x[start:stop] for x in memory]
     return KeysLastKV(*parts) if isinstance(memory, KeysLastKV) else (parts[0], parts[1])
 
 
-def cat_memories(memories: list[AcousticMemory]) -> AcousticMemory:
+def cat_memories(memories: list[KV | KeysLastKV]) -> KV | KeysLastKV:
     """One layer's acoustic memories of several requests, stacked in order, in their layout."""
     parts = [torch.cat(xs) for xs in zip(*memories)]
     return KeysLastKV(*parts) if isinstance(memories[0], KeysLastKV) else (parts[0], parts[1])
@@ -452,7 +452,7 @@ class WhisperFlashDrafter(nn.Module):
         anchor_pos: Tensor,  # [B] its text position t
         history_kv: list[KV] | None,  # per layer k/v [B or 1, H, Lmax, hd]; entries >= history_len ignored
         history_len: Tensor | None,  # [B] valid history entries (== t: positions 0..t-1)
-        acoustic_kv: list[AcousticMemory] | None,  # per layer k/v [B or 1, H, T, hd] (or `KeysLastKV`)
+        acoustic_kv: list[AcousticMemory] | None,  # per layer k/v [B or 1, H, T, hd], or a kernel layout
     ) -> Tensor:
         """-> logits [B, K, vocab] for the K mask positions (the anchor row's output is dropped)."""
         cfg, shared = self.config, self._require_target()

@@ -92,8 +92,9 @@ class DraftState:
     """The drafter's memories of one request: history K/V by position, acoustic K/V once."""
 
     hist: list[tuple[Tensor, Tensor]]  # per drafter layer (k, v) [1, H, max_positions, hd], RoPE on k
-    # per drafter layer (k, v) [1, H, T, hd]; None until the request first drafts (`encoder_out` kept till then)
-    acoustic: list[AcousticMemory] | None  # per drafter layer, in the layout the drafter reads here
+    # per drafter layer (k, v) [1, H, T, hd], or `KeysLastKV` where the CPU kernel reads it; None until
+    # the request first drafts (`encoder_out` kept till then)
+    acoustic: list[AcousticMemory] | None
     encoder_out: Tensor | None = None  # [T, d] the window's encoder states, while `acoustic` is None
     length: int = 0  # history positions 0..length-1 (== committed decoder length), pending ones included
     pending: list[Tensor] = field(default_factory=list)  # target states [n, n_hist, d] of the last
