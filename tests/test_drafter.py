@@ -23,7 +23,6 @@ from sglang_omni_flash.flash.checkpoint import (
 from sglang_omni_flash.flash.drafter import (
     KeysLastKV,
     WhisperFlashDrafter,
-    cat_memories,
     default_history_layers,
     history_from_hidden_states,
     memory_length,
@@ -276,17 +275,18 @@ def test_memories_read_where_they_lie_give_the_bits_of_stacked_ones(drafter):
     assert torch.equal(got, want)
 
 
-def test_acoustic_memories_keep_their_layout_when_cut_and_stacked(drafter):
-    """A server keeps each request's memory apart and stacks the drafting ones: both layouts come
-    back in the layout they went in, rows in order."""
+def test_acoustic_memories_keep_their_layout_when_cut_per_request(drafter):
+    """A server keeps each request's memory apart: both layouts come back in the layout they went
+    in, and the cuts put back together in order are the whole."""
     audio = torch.randn(3, T_AUDIO, D, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         for layers in (drafter.acoustic_kv(audio), drafter.acoustic_memory(audio)):
             per_request = [[memory_rows(m, i, i + 1) for m in layers] for i in range(3)]
-            stacked = [cat_memories([req[j] for req in per_request]) for j in range(len(layers))]
-            for back, whole in zip(stacked, layers):
-                assert type(back) is type(whole)
-                assert all(torch.equal(a, b) for a, b in zip(back, whole))
+            for j, whole in enumerate(layers):
+                cuts = [req[j] for req in per_request]
+                assert all(type(cut) is type(whole) for cut in cuts)
+                assert all(torch.equal(torch.cat(parts), part) for parts, part in zip(zip(*cuts), whole))
+
 
 def test_float16_keeps_the_plain_acoustic_layout(target):
     """No kernel for float16: its memory stays (k, v), read by SDPA."""

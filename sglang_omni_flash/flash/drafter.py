@@ -71,12 +71,6 @@ def memory_rows(memory: KV | KeysLastKV, start: int, stop: int) -> KV | KeysLast
     return KeysLastKV(*parts) if isinstance(memory, KeysLastKV) else (parts[0], parts[1])
 
 
-def cat_memories(memories: list[KV | KeysLastKV]) -> KV | KeysLastKV:
-    """One layer's acoustic memories of several requests, stacked in order, in their layout."""
-    parts = [torch.cat(xs) for xs in zip(*memories)]
-    return KeysLastKV(*parts) if isinstance(memories[0], KeysLastKV) else (parts[0], parts[1])
-
-
 def memory_length(memory: KV | KeysLastKV) -> int:
     """How many acoustic frames a memory holds (v is [B, H, T, hd] in both layouts)."""
     return memory[1].shape[2]

@@ -21,7 +21,6 @@ from torch import Tensor
 from sglang_omni_flash.flash.drafter import (
     AcousticMemory,
     KeysLastKV,
-    cat_memories,
     memory_length,
     memory_rows,
     per_request,
@@ -235,6 +234,7 @@ class DrafterMemories:
         key = tuple(states)
         cached = self._acoustic_batch
         if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
-            stacked = [cat_memories([state.acoustic[i] for state in states]) for i in range(len(states[0].acoustic))]
+            stacked = [tuple(torch.cat([state.acoustic[i][j] for state in states]) for j in (0, 1))
+                       for i in range(len(states[0].acoustic))]
             self._acoustic_batch = (key, stacked)
         return self._acoustic_batch[1]
